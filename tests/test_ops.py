@@ -1,0 +1,159 @@
+"""The tqkv custom ops keep DESIGN.md's contract on the reference backend."""
+
+import pytest
+import torch
+
+import tqkv_compile
+from tqkv_compile import get_preset, preset_names
+
+from paged import build, decoded, sdpa_over
+
+SCALE = 0.125
+
+
+@pytest.mark.parametrize("strided", [False, True])
+@pytest.mark.parametrize("name", preset_names())
+def test_kv_write_stores_exactly_encodes_bytes_and_skips_negative_slots(name, strided):
+    p = get_preset(name, 64)
+    base = torch.zeros(3, 2, 4, 128, dtype=torch.uint8) if strided else None
+    cache = base.permute(0, 2, 1, 3)[..., : p.slot_bytes] if strided else torch.zeros(3, 4, 2, p.slot_bytes, dtype=torch.uint8)
+    key, value = torch.randn(5, 2, 64, dtype=torch.bfloat16), torch.randn(5, 2, 64, dtype=torch.bfloat16)
+    slots = torch.tensor([9, -1, 0, 4, 11])
+    torch.ops.tqkv.kv_write(key, value, cache, slots, name)
+    expected = p.encode(key, value)
+    for t, slot in enumerate(slots.tolist()):
+        if slot >= 0:
+            assert torch.equal(cache[slot // 4, slot % 4], expected[t])
+    written = {s for s in slots.tolist() if s >= 0}
+    untouched = [s for s in range(12) if s not in written]
+    assert all(int(cache[s // 4, s % 4].sum()) == 0 for s in untouched)
+    if strided:  # the bytes past the slot in vLLM's wider CPU allocation stay untouched
+        assert int(base[..., p.slot_bytes :].sum()) == 0
+
+
+@pytest.mark.parametrize("name", preset_names())
+def test_attention_equals_fp32_sdpa_over_decoded_kv(name):
+    s = build(name, lens=(5, 17, 9), new=(1, 3, 9), group=3, strided=True)
+    out = torch.ops.tqkv.attention(s.query, s.kv_cache, s.block_table, s.seq_lens, s.query_start_loc, SCALE, name)
+    assert out.dtype == s.query.dtype and out.shape == s.query.shape
+    keys, values = decoded(s)
+    expected = sdpa_over(s, keys, values, SCALE)
+    torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2e-2)  # bf16 output rounding
+
+
+def test_attention_in_fp32_is_tight_against_sdpa_over_decoded_kv():
+    s = build("turboquant_4bit_nc", lens=(33, 7), new=(2, 1), group=4, dtype=torch.float32)
+    out = torch.ops.tqkv.attention(s.query, s.kv_cache, s.block_table, s.seq_lens, s.query_start_loc, SCALE, s.preset)
+    keys, values = decoded(s)
+    torch.testing.assert_close(out, sdpa_over(s, keys, values, SCALE), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name, min_cos", [("turboquant_k8v4", 0.99), ("turboquant_4bit_nc", 0.98),
+                                           ("turboquant_k3v4_nc", 0.95), ("turboquant_3bit_nc", 0.93)])
+def test_attention_is_close_to_sdpa_over_original_kv(name, min_cos):
+    s = build(name, dim=128, lens=(64, 200, 300), new=(1, 1, 1), group=4, dtype=torch.float32, seed=3)
+    out = torch.ops.tqkv.attention(s.query, s.kv_cache, s.block_table, s.seq_lens, s.query_start_loc, SCALE, name)
+    exact = sdpa_over(s, s.keys, s.values, SCALE)
+    cos = torch.nn.functional.cosine_similarity(out.flatten(0, 1), exact.flatten(0, 1)).mean()
+    assert cos > min_cos
+
+
+def test_kv_dot_gives_scaled_logits_and_minus_inf_past_the_end():
+    s = build("turboquant_k3v4_nc", lens=(6, 13), new=(1, 1), group=2, dtype=torch.float32)
+    logits = torch.ops.tqkv.kv_dot(s.query, s.kv_cache, s.block_table, s.seq_lens, SCALE, s.preset)
+    assert logits.dtype == torch.float32 and logits.shape == (2, 4, s.block_table.shape[1] * 4)
+    keys, _ = decoded(s)
+    for b, length in enumerate(s.seq_lens.tolist()):
+        expected = torch.einsum("hd,lhd->hl", s.query[b], keys[b].repeat_interleave(2, 1)) * SCALE
+        torch.testing.assert_close(logits[b, :, :length], expected, atol=1e-5, rtol=1e-5)
+        assert torch.isneginf(logits[b, :, length:]).all()
+
+
+def test_ops_run_under_torch_compile_fullgraph():
+    s = build("turboquant_4bit_nc", lens=(9, 4), new=(1, 1))
+    key, value = torch.randn(2, 2, 64, dtype=torch.bfloat16), torch.randn(2, 2, 64, dtype=torch.bfloat16)
+    slot_mapping = (s.block_table[:, 0].long() * 4 + 3)  # overwrite position 3 of each sequence
+
+    def step(query, key, value, kv_cache):
+        torch.ops.tqkv.kv_write(key, value, kv_cache, slot_mapping, "turboquant_4bit_nc")
+        out = torch.ops.tqkv.attention(query, kv_cache, s.block_table, s.seq_lens, s.query_start_loc, SCALE, "turboquant_4bit_nc")
+        return out * 2
+
+    eager_cache = s.kv_cache.clone()
+    expected = step(s.query, key, value, eager_cache)
+    compiled = torch.compile(step, fullgraph=True, backend="inductor")
+    out = compiled(s.query, key, value, s.kv_cache)
+    assert torch.equal(out, expected)
+    assert torch.equal(s.kv_cache, eager_cache)
+
+
+def test_bad_input_raises_and_writes_nothing():
+    p = get_preset("turboquant_4bit_nc", 64)
+    cache = torch.zeros(2, 4, 2, p.slot_bytes, dtype=torch.uint8)
+    key = value = torch.randn(3, 2, 64)
+    cases = [
+        (dict(slot_mapping=torch.tensor([0, 1, 8])), ValueError, "slot_mapping"),
+        (dict(slot_mapping=torch.tensor([0.0, 1.0, 2.0])), TypeError, "slot_mapping"),
+        (dict(slot_mapping=torch.tensor([0, 1])), ValueError, "slot_mapping"),
+        (dict(preset="turboquant_2bit"), ValueError, "preset"),
+        (dict(kv_cache=torch.zeros(2, 4, 2, p.slot_bytes, dtype=torch.int8)), ValueError, "kv_cache"),
+        (dict(key=torch.randn(3, 3, 64), value=torch.randn(3, 3, 64)), ValueError, "kv heads"),
+        (dict(key=torch.randn(3, 2, 96), value=torch.randn(3, 2, 96)), ValueError, "head_dim"),
+        (dict(key=torch.ones(3, 2, 64, dtype=torch.int64)), TypeError, "key"),
+    ]
+    for override, error, message in cases:
+        args = dict(key=key, value=value, kv_cache=cache, slot_mapping=torch.tensor([0, 1, 2]), preset=p.name)
+        args.update(override)
+        with pytest.raises(error, match=message):
+            torch.ops.tqkv.kv_write(**args)
+    assert int(cache.sum()) == 0
+
+
+def test_bad_attention_metadata_raises_value_error_naming_it():
+    s = build("turboquant_4bit_nc", lens=(5, 9), new=(1, 1))
+    good = dict(query=s.query, kv_cache=s.kv_cache, block_table=s.block_table, seq_lens=s.seq_lens,
+                query_start_loc=s.query_start_loc, scale=SCALE, preset=s.preset)
+    bad_table = s.block_table.clone()
+    bad_table[1, 0] = 999
+    cases = [
+        (dict(block_table=bad_table), "block_table"),
+        (dict(seq_lens=torch.tensor([5, 99], dtype=torch.int32)), "seq_lens"),
+        (dict(query_start_loc=torch.tensor([0, 1], dtype=torch.int32)), "query_start_loc"),
+        (dict(query_start_loc=torch.tensor([0, 2, 1], dtype=torch.int32)), "query_start_loc"),
+        (dict(query=s.query[:, :3]), "query heads"),
+    ]
+    for override, message in cases:
+        with pytest.raises(ValueError, match=message):
+            torch.ops.tqkv.attention(**{**good, **override})
+
+
+class ScaledReference(tqkv_compile.backends.reference.ReferenceBackend):
+    """A third-party backend that is deliberately off by a factor, to see validate mode catch it."""
+
+    name = "scaled_test_backend"
+
+    def attention(self, *args):
+        return super().attention(*args) * 1.5
+
+
+def test_third_party_backend_can_be_registered_selected_and_validated(monkeypatch):
+    tqkv_compile.register_backend(ScaledReference(), priority=-5)
+    s = build("turboquant_4bit_nc", lens=(5, 9), new=(1, 1), dtype=torch.float32)
+    args = (s.query, s.kv_cache, s.block_table, s.seq_lens, s.query_start_loc, SCALE, s.preset)
+    reference = torch.ops.tqkv.attention(*args)
+    assert tqkv_compile.select_backend(torch.device("cpu")).name != "scaled_test_backend"  # lower priority
+    monkeypatch.setenv("TQKV_BACKEND", "scaled_test_backend")
+    torch.testing.assert_close(torch.ops.tqkv.attention(*args), reference * 1.5)
+    monkeypatch.delenv("TQKV_BACKEND")
+    tqkv_compile.validation_reports(clear=True)
+    with tqkv_compile.use_backend("scaled_test_backend"):
+        tqkv_compile.set_validate(True)
+        try:
+            torch.ops.tqkv.attention(*args)
+        finally:
+            tqkv_compile.set_validate(None)
+    (report,) = tqkv_compile.validation_reports(clear=True)
+    assert report.backend == "scaled_test_backend" and report.op == "attention"
+    assert report.max_abs_diff == pytest.approx(float((reference * 0.5).abs().max()), rel=1e-5)
+    with pytest.raises(ValueError, match="backend"):
+        tqkv_compile.set_backend("no_such_backend")

@@ -1,0 +1,126 @@
+"""Memory backends behind the ``tqkv`` ops: a registry, the selection rule and the validate mode.
+
+A backend is any object with ``name``, ``supports(device) -> bool`` and the three op methods
+``kv_write``, ``attention`` and ``kv_dot`` (same arguments as the ops, the preset resolved to a
+:class:`tqkv_compile.codec.Preset`). Third parties register theirs with :func:`register_backend`.
+
+Selection, first that applies: :func:`set_backend` / :func:`use_backend`; the ``TQKV_BACKEND`` environment
+variable; else the registered backend with the highest priority that supports the tensors' device.
+Validate mode (:func:`set_validate`, or ``TQKV_VALIDATE=1``) runs the reference beside the chosen backend on
+every call and records the largest difference (:func:`validation_reports`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from dataclasses import dataclass
+from typing import Iterator, Protocol
+
+import torch
+
+logger = logging.getLogger("tqkv_compile")
+
+
+class MemoryBackend(Protocol):
+    name: str
+
+    def supports(self, device: torch.device) -> bool: ...
+
+    def kv_write(self, key, value, kv_cache, slot_mapping, preset) -> None: ...
+
+    def attention(self, query, kv_cache, block_table, seq_lens, query_start_loc, scale, preset) -> torch.Tensor: ...
+
+    def kv_dot(self, query, kv_cache, block_table, seq_lens, scale, preset) -> torch.Tensor: ...
+
+
+_registry: dict[str, tuple[int, MemoryBackend]] = {}
+_chosen: str | None = None
+_validate: bool | None = None
+
+
+@dataclass
+class ValidationReport:
+    op: str
+    backend: str
+    max_abs_diff: float  # kv_write: number of bytes that differ
+
+
+_reports: list[ValidationReport] = []
+
+
+def register_backend(backend: MemoryBackend, priority: int = 0) -> None:
+    """Add (or replace) a backend; higher priority wins automatic selection where it ``supports`` the device."""
+    for method in ("supports", "kv_write", "attention", "kv_dot"):
+        if not callable(getattr(backend, method, None)):
+            raise TypeError(f"backend: {type(backend).__name__} has no method {method}()")
+    _registry[backend.name] = (priority, backend)
+
+
+def available_backends() -> list[str]:
+    return sorted(_registry, key=lambda n: -_registry[n][0])
+
+
+def get_backend(name: str) -> MemoryBackend:
+    if name not in _registry:
+        raise ValueError(f"backend: unknown memory backend {name!r}; registered: {', '.join(available_backends())}")
+    return _registry[name][1]
+
+
+def set_backend(name: str | None) -> None:
+    """Pin a backend by name for all later calls (None: back to automatic selection)."""
+    global _chosen
+    if name is not None:
+        get_backend(name)
+    _chosen = name
+
+
+@contextlib.contextmanager
+def use_backend(name: str | None) -> Iterator[None]:
+    global _chosen
+    previous = _chosen
+    set_backend(name)
+    try:
+        yield
+    finally:
+        _chosen = previous
+
+
+def select_backend(device: torch.device) -> MemoryBackend:
+    name = _chosen or os.environ.get("TQKV_BACKEND") or None
+    if name:
+        backend = get_backend(name)
+        if not backend.supports(device):
+            raise ValueError(f"backend: {name!r} does not support device {device}")
+        return backend
+    for candidate in available_backends():
+        backend = _registry[candidate][1]
+        if backend.supports(device):
+            return backend
+    raise ValueError(f"backend: no registered memory backend supports device {device}")
+
+
+def set_validate(enabled: bool | None) -> None:
+    """Run the reference beside the chosen backend on every op call (None: follow ``TQKV_VALIDATE``)."""
+    global _validate
+    _validate = enabled
+
+
+def validate_enabled() -> bool:
+    if _validate is not None:
+        return _validate
+    return os.environ.get("TQKV_VALIDATE", "0") not in ("", "0", "false", "False")
+
+
+def record_validation(op: str, backend: str, diff: float) -> None:
+    report = ValidationReport(op, backend, diff)
+    _reports.append(report)
+    logger.info("tqkv validate: %s on %s: largest difference %.3g", op, backend, diff)
+
+
+def validation_reports(clear: bool = False) -> list[ValidationReport]:
+    reports = list(_reports)
+    if clear:
+        _reports.clear()
+    return reports

@@ -1,0 +1,207 @@
+"""The ``tqkv`` custom ops (torch.library): ``kv_write``, ``attention``, ``kv_dot``.
+
+Names, argument order and meaning are a fixed contract (docs in README.md); every op checks its input,
+raising ValueError / TypeError that names the argument before anything is written, then dispatches to the
+selected memory backend (see :mod:`tqkv_compile.backends`), beside the reference when validate mode is on.
+
+Checks that read tensor values (slot and block ranges, sequence lengths) need a host sync: they run on
+CPU tensors always, on CUDA tensors outside CUDA-graph capture, and never when ``TQKV_CHECK_VALUES=0``.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from tqkv_compile import backends
+from tqkv_compile.codec import INPUT_DTYPES, Preset, get_preset
+
+_INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def _value_checks_enabled(t: torch.Tensor) -> bool:
+    if os.environ.get("TQKV_CHECK_VALUES", "1") == "0":
+        return False
+    return not (t.is_cuda and torch.cuda.is_current_stream_capturing())
+
+
+def _check_index(name: str, t: torch.Tensor, dims: int) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in _INDEX_DTYPES:
+        raise TypeError(f"{name}: expected int32 (or int64), got {t.dtype}")
+    if t.dim() != dims:
+        raise ValueError(f"{name}: expected {dims} dimension(s), got shape {tuple(t.shape)}")
+
+
+def _check_cache(kv_cache: torch.Tensor, preset_name: str, head_dim: int) -> Preset:
+    preset = get_preset(preset_name, head_dim)
+    if not isinstance(kv_cache, torch.Tensor):
+        raise TypeError(f"kv_cache: expected a torch.Tensor, got {type(kv_cache).__name__}")
+    if kv_cache.dtype != torch.uint8 or kv_cache.dim() != 4 or kv_cache.shape[3] != preset.slot_bytes:
+        raise ValueError(
+            f"kv_cache: expected uint8 [num_blocks, block_size, num_kv_heads, {preset.slot_bytes}] for "
+            f"{preset_name} at head_dim {head_dim}, got {kv_cache.dtype} {tuple(kv_cache.shape)}"
+        )
+    return preset
+
+
+def _check_query(query: torch.Tensor, kv_cache: torch.Tensor) -> None:
+    if not isinstance(query, torch.Tensor):
+        raise TypeError(f"query: expected a torch.Tensor, got {type(query).__name__}")
+    if query.dtype not in INPUT_DTYPES:
+        raise TypeError(f"query: expected float16, bfloat16 or float32, got {query.dtype}")
+    if query.dim() != 3:
+        raise ValueError(f"query: expected shape [T, Hq, D], got {tuple(query.shape)}")
+    kv_heads = kv_cache.shape[2]
+    if query.shape[1] % kv_heads:
+        raise ValueError(f"query: {query.shape[1]} query heads is not a multiple of the cache's {kv_heads} kv heads")
+
+
+def check_kv_write(key, value, kv_cache, slot_mapping, preset: str) -> Preset:
+    if not isinstance(key, torch.Tensor) or key.dim() != 3:
+        raise ValueError(f"key: expected a tensor [T, Hk, D], got {getattr(key, 'shape', type(key).__name__)}")
+    p = _check_cache(kv_cache, preset, key.shape[-1])
+    p.check_key_value(key, value)
+    if key.shape[1] != kv_cache.shape[2]:
+        raise ValueError(f"key: {key.shape[1]} kv heads, but kv_cache holds {kv_cache.shape[2]}")
+    _check_index("slot_mapping", slot_mapping, 1)
+    if slot_mapping.shape[0] != key.shape[0]:
+        raise ValueError(f"slot_mapping: expected {key.shape[0]} entries (one per token), got {slot_mapping.shape[0]}")
+    if slot_mapping.numel() and _value_checks_enabled(slot_mapping):
+        capacity = kv_cache.shape[0] * kv_cache.shape[1]
+        top = int(slot_mapping.max())
+        if top >= capacity:
+            raise ValueError(f"slot_mapping: slot {top} is out of range; the cache holds {capacity} slots")
+    return p
+
+
+def _check_blocks(kv_cache, block_table, seq_lens) -> None:
+    _check_index("block_table", block_table, 2)
+    _check_index("seq_lens", seq_lens, 1)
+    if seq_lens.shape[0] != block_table.shape[0]:
+        raise ValueError(f"seq_lens: expected {block_table.shape[0]} entries (block_table rows), got {seq_lens.shape[0]}")
+    if not seq_lens.numel() or not _value_checks_enabled(seq_lens):
+        return
+    block_size = kv_cache.shape[1]
+    width = block_table.shape[1] * block_size
+    lengths = seq_lens.to(torch.int64)
+    if int(lengths.min()) < 0 or int(lengths.max()) > width:
+        raise ValueError(f"seq_lens: lengths must lie in [0, {width}] (block_table columns x block size)")
+    used = torch.arange(block_table.shape[1], device=block_table.device)[None, :] * block_size < lengths[:, None]
+    if bool(used.any()):
+        blocks = block_table[used]
+        if int(blocks.min()) < 0 or int(blocks.max()) >= kv_cache.shape[0]:
+            raise ValueError(f"block_table: block index out of range [0, {kv_cache.shape[0]}) for a used position")
+
+
+def check_attention(query, kv_cache, block_table, seq_lens, query_start_loc, preset: str) -> Preset:
+    _check_query(query, kv_cache)
+    p = _check_cache(kv_cache, preset, query.shape[-1])
+    _check_blocks(kv_cache, block_table, seq_lens)
+    _check_index("query_start_loc", query_start_loc, 1)
+    if query_start_loc.shape[0] != seq_lens.shape[0] + 1:
+        raise ValueError(
+            f"query_start_loc: expected {seq_lens.shape[0] + 1} entries (batch + 1), got {query_start_loc.shape[0]}"
+        )
+    if _value_checks_enabled(query_start_loc):
+        starts = query_start_loc.to(torch.int64)
+        new = starts[1:] - starts[:-1]
+        if int(starts[0]) != 0 or bool((new < 0).any()) or int(starts[-1]) > query.shape[0]:
+            raise ValueError(
+                f"query_start_loc: must start at 0, not decrease and end at most at T={query.shape[0]}"
+            )
+        if bool((new > seq_lens.to(torch.int64)).any()):
+            raise ValueError("seq_lens: a sequence has more new tokens (query_start_loc) than tokens in all")
+    return p
+
+
+def check_kv_dot(query, kv_cache, block_table, seq_lens, preset: str) -> Preset:
+    _check_query(query, kv_cache)
+    p = _check_cache(kv_cache, preset, query.shape[-1])
+    _check_blocks(kv_cache, block_table, seq_lens)
+    if query.shape[0] != block_table.shape[0]:
+        raise ValueError(f"query: expected one row per sequence ({block_table.shape[0]}), got {query.shape[0]}")
+    return p
+
+
+# -- the ops -----------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("tqkv::kv_write", mutates_args=("kv_cache",))
+def kv_write(
+    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor, preset: str
+) -> None:
+    """Quantize, pack and scatter key/value [T, Hk, D] into kv_cache u8 [NB, BS, Hk, S]; slot < 0 skips."""
+    p = check_kv_write(key, value, kv_cache, slot_mapping, preset)
+    backend = backends.select_backend(kv_cache.device)
+    if backends.validate_enabled() and backend.name != "reference":
+        expected = kv_cache.clone()
+        backends.get_backend("reference").kv_write(key, value, expected, slot_mapping, p)
+        backend.kv_write(key, value, kv_cache, slot_mapping, p)
+        backends.record_validation("kv_write", backend.name, float((expected != kv_cache).sum()))
+        return
+    backend.kv_write(key, value, kv_cache, slot_mapping, p)
+
+
+@kv_write.register_fake
+def _(key, value, kv_cache, slot_mapping, preset):
+    return None
+
+
+@torch.library.custom_op("tqkv::attention", mutates_args=())
+def attention(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    preset: str,
+) -> torch.Tensor:
+    """Causal attention of query [T, Hq, D] over the packed cache; out [T, Hq, D] in the query's dtype."""
+    p = check_attention(query, kv_cache, block_table, seq_lens, query_start_loc, preset)
+    backend = backends.select_backend(query.device)
+    out = backend.attention(query, kv_cache, block_table, seq_lens, query_start_loc, scale, p)
+    if backends.validate_enabled() and backend.name != "reference":
+        expected = backends.get_backend("reference").attention(
+            query, kv_cache, block_table, seq_lens, query_start_loc, scale, p
+        )
+        backends.record_validation("attention", backend.name, float((expected.float() - out.float()).abs().max()))
+    return out
+
+
+@attention.register_fake
+def _(query, kv_cache, block_table, seq_lens, query_start_loc, scale, preset):
+    return torch.empty_like(query)
+
+
+@torch.library.custom_op("tqkv::kv_dot", mutates_args=())
+def kv_dot(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    preset: str,
+) -> torch.Tensor:
+    """Logits scale * <q, k> f32 [B, Hq, M * BS] for one query per sequence; -inf at or past seq_lens[b]."""
+    p = check_kv_dot(query, kv_cache, block_table, seq_lens, preset)
+    backend = backends.select_backend(query.device)
+    out = backend.kv_dot(query, kv_cache, block_table, seq_lens, scale, p)
+    if backends.validate_enabled() and backend.name != "reference":
+        expected = backends.get_backend("reference").kv_dot(query, kv_cache, block_table, seq_lens, scale, p)
+        finite = torch.isfinite(expected)
+        diff = (expected[finite] - out[finite]).abs().max() if bool(finite.any()) else torch.tensor(0.0)
+        if not torch.equal(finite, torch.isfinite(out)):
+            diff = torch.tensor(float("inf"))
+        backends.record_validation("kv_dot", backend.name, float(diff))
+    return out
+
+
+@kv_dot.register_fake
+def _(query, kv_cache, block_table, seq_lens, scale, preset):
+    return query.new_empty(
+        (query.shape[0], query.shape[1], block_table.shape[1] * kv_cache.shape[1]), dtype=torch.float32
+    )

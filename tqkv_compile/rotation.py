@@ -1,0 +1,29 @@
+"""The key rotation: the orthonormal Sylvester-Hadamard matrix (vLLM's choice; symmetric, its own inverse)."""
+
+from __future__ import annotations
+
+import math
+from functools import lru_cache
+
+import torch
+
+
+@lru_cache(maxsize=None)
+def _hadamard_cpu(dim: int) -> torch.Tensor:
+    if dim <= 0 or dim & (dim - 1):
+        raise ValueError(f"head_dim must be a power of two for the Hadamard rotation, got {dim}")
+    h = torch.ones(1, 1)
+    while h.shape[0] < dim:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return h / math.sqrt(dim)
+
+
+_on_device: dict[tuple[int, str], torch.Tensor] = {}
+
+
+def hadamard(dim: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """fp32 [dim, dim] orthonormal Hadamard matrix H with H == H.T == inverse(H)."""
+    key = (dim, str(torch.device(device)))
+    if key not in _on_device:
+        _on_device[key] = _hadamard_cpu(dim).to(device)
+    return _on_device[key]
