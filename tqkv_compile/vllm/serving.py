@@ -1,0 +1,117 @@
+"""Serving one vLLM attention layer with the tqkv ops: which layers fit, and the two calls.
+
+Used by both entry paths: the graph pass's wrapper ops (compiled) and our attention impl (eager, and the
+unrewritten graph). Counts which layers each path served, and records why a layer was not served.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from typing import Any
+
+import torch
+
+import tqkv_compile  # noqa: F401  (registers torch.ops.tqkv.*)
+from tqkv_compile.codec import PRESETS, SUPPORTED_HEAD_DIMS, get_preset
+from tqkv_compile.vllm import adapter
+
+logger = logging.getLogger("tqkv_compile")
+
+#: layer name -> why tqkv does not serve it (vLLM's own path does)
+fallbacks: dict[str, str] = {}
+#: (path, layer name) -> calls served; path is "compiled" (wrapper ops) or "impl" (our attention impl)
+served: Counter = Counter()
+
+
+def layer_fit(layer: Any) -> str | None:
+    """None when tqkv serves this attention layer; else the reason it stays on vLLM's own path."""
+    reason = adapter.unsupported_reason()
+    if reason:
+        return reason
+    if adapter._is_mla(layer):
+        return "MLA attention is not supported"
+    dtype = getattr(layer, "kv_cache_dtype", None)
+    if not adapter.is_turboquant_dtype(dtype):
+        return f"kv cache dtype {dtype!r} is not TurboQuant"
+    if dtype not in PRESETS:
+        return f"TurboQuant preset {dtype!r} is unknown to tqkv_compile"
+    impl = getattr(layer, "impl", None)
+    head_size = getattr(layer, "head_size", None) or getattr(impl, "head_size", None)
+    if head_size not in SUPPORTED_HEAD_DIMS:
+        return f"head size {head_size} is not supported (supported: {', '.join(map(str, SUPPORTED_HEAD_DIMS))})"
+    window = getattr(layer, "sliding_window", None)
+    if window not in (None, -1, 0):
+        return f"sliding window ({window}) is not supported"
+    attn_type = str(getattr(layer, "attn_type", "decoder")).lower()
+    if "decoder" not in attn_type or "encoder" in attn_type:
+        return f"attention type {attn_type} is not supported (decoder self-attention only)"
+    for attr, what in (("alibi_slopes", "ALiBi"), ("sinks", "attention sinks")):
+        if getattr(impl, attr, None) is not None:
+            return f"{what} is not supported"
+    if getattr(impl, "logits_soft_cap", None):
+        return "logits soft-capping is not supported"
+    return None
+
+
+_fit: dict[str, bool] = {}
+
+
+def serves(layer: Any) -> bool:
+    """Whether tqkv serves this layer (decided once per layer name; a fallback's reason is recorded)."""
+    name = layer.layer_name
+    if name not in _fit:
+        reason = layer_fit(layer)
+        _fit[name] = reason is None
+        if reason:
+            record_fallback(name, reason)
+    return _fit[name]
+
+
+def record_fallback(name: str, reason: str) -> None:
+    if fallbacks.get(name) != reason:
+        fallbacks[name] = reason
+        logger.info("tqkv: layer %s stays on vLLM's path: %s", name, reason)
+
+
+def _preset_and_cache(layer: Any, kv_cache: torch.Tensor):
+    preset = get_preset(layer.kv_cache_dtype, layer.impl.head_size)
+    return preset, adapter.slot_view(kv_cache, layer.impl.num_kv_heads, preset.slot_bytes)
+
+
+def write_kv(layer: Any, key, value, kv_cache: torch.Tensor, slot_mapping: torch.Tensor | None, path: str) -> None:
+    """Quantize and store this step's K/V (vLLM's order: write, then attend)."""
+    if slot_mapping is None:  # profiling run
+        return
+    preset, cache = _preset_and_cache(layer, kv_cache)
+    tokens = slot_mapping.shape[0]
+    heads, dim = layer.impl.num_kv_heads, layer.impl.head_size
+    torch.ops.tqkv.kv_write(
+        key[:tokens].view(tokens, heads, dim), value[:tokens].view(tokens, heads, dim), cache, slot_mapping, preset.name
+    )
+    served[(path, layer.layer_name)] += 1
+
+
+def attend(layer: Any, query: torch.Tensor, kv_cache: torch.Tensor, metadata: Any, output: torch.Tensor, path: str) -> None:
+    """Attention over the packed cache, written into vLLM's output buffer."""
+    if metadata is None:  # profiling run: vLLM's own backends leave the output as is
+        return
+    preset, cache = _preset_and_cache(layer, kv_cache)
+    block_table, seq_lens, query_start_loc, tokens = adapter.metadata_tensors(metadata)
+    heads, dim = layer.impl.num_heads, layer.impl.head_size
+    out = torch.ops.tqkv.attention(
+        query[:tokens].view(tokens, heads, dim), cache, block_table, seq_lens, query_start_loc,
+        float(layer.impl.scale), preset.name,
+    )
+    output.view(-1, heads, dim)[:tokens].copy_(out)
+    served[(path, layer.layer_name)] += 1
+
+
+def served_layers(path: str) -> list[str]:
+    return sorted({name for (p, name) in served if p == path})
+
+
+def reset() -> None:
+    fallbacks.clear()
+    served.clear()
+    _fit.clear()
