@@ -1,6 +1,7 @@
 """Memory backends behind the ``tqkv`` ops: a registry, the selection rule and the validate mode.
 
-A backend is any object with ``name``, ``supports(device) -> bool`` and the three op methods
+A backend is any object with ``name``, ``supports(device) -> bool`` (optionally ``auto_selects(device)``
+where automatic selection should be narrower) and the three op methods
 ``kv_write``, ``attention`` and ``kv_dot`` (same arguments as the ops, the preset resolved to a
 :class:`tqkv_compile.codec.Preset`). Third parties register theirs with :func:`register_backend`.
 
@@ -96,7 +97,8 @@ def select_backend(device: torch.device) -> MemoryBackend:
         return backend
     for candidate in available_backends():
         backend = _registry[candidate][1]
-        if backend.supports(device):
+        # a backend may support a device only for explicit use (Triton's interpreter on the CPU)
+        if getattr(backend, "auto_selects", backend.supports)(device):
             return backend
     raise ValueError(f"backend: no registered memory backend supports device {device}")
 

@@ -21,6 +21,29 @@ def _prompts(count: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     return [[rng.randrange(3, vocab) for _ in range(length + 7 * i)] for i in range(count)]
 
 
+def scaled_dummy_weights(std: float):
+    """Make vLLM's dummy loader draw weights with enough scale that attention matters: its own lie in
+    [-1e-3, 1e-3] (norm weights too), which makes every attention nearly uniform, so that any two KV caches
+    agree trivially. Matrices get uniform weights of this std, vectors (norms, biases) 1 + small noise.
+    Seeded per tensor shape, so every engine of a comparison gets the same model. Only this harness's
+    in-process engine is affected."""
+    import torch
+    from vllm.model_executor.model_loader import dummy_loader
+
+    original = dummy_loader.initialize_single_dummy_weight
+
+    def initialize(param, low=-1e-3, high=1e-3, seed=1234):
+        if param.device.type == "meta" or not torch.is_floating_point(param):
+            return original(param, low, high, seed)
+        g = torch.Generator().manual_seed(seed + param.numel())
+        noise = torch.rand(param.shape, generator=g) * 2 - 1
+        value = 1.0 + 0.1 * noise if param.dim() == 1 else noise * (std * 3**0.5)
+        with torch.no_grad():
+            param.copy_(value.to(param.dtype))
+
+    dummy_loader.initialize_single_dummy_weight = initialize
+
+
 def run(args: argparse.Namespace) -> dict:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -34,13 +57,17 @@ def run(args: argparse.Namespace) -> dict:
     kwargs = dict(
         model=args.model, load_format="dummy", skip_tokenizer_init=True, kv_cache_dtype=args.kv_cache_dtype,
         max_model_len=args.max_model_len, enforce_eager=args.mode == "eager", seed=0,
-        max_num_seqs=max(args.prompts, 1),
+        max_num_seqs=max(args.prompts, 1), dtype=args.dtype,
     )
-    if args.tqkv:
+    if args.tqkv and args.tqkv_via == "plugin":
+        os.environ["TQKV_ENABLE"] = "1"  # nothing else: the vllm.general_plugins entry point does the rest
+    elif args.tqkv:
         if args.mode == "compiled":
             kwargs["compilation_config"] = tqkv_vllm.compilation_config()
         else:
             tqkv_vllm.enable()
+    if args.init_std > 0:
+        scaled_dummy_weights(args.init_std)
     started = time.perf_counter()
     llm = LLM(**kwargs)
     start_s = time.perf_counter() - started
@@ -74,6 +101,7 @@ def run(args: argparse.Namespace) -> dict:
         "mode": args.mode,
         "tqkv": args.tqkv,
         "kv_cache_dtype": args.kv_cache_dtype,
+        "dtype": args.dtype,
         "start_s": round(start_s, 2),
         "decode_tok_s": round(args.prompts * (args.new_tokens - 1) / decode_s, 1),
         "kv_capacity_tokens": int(cache.num_gpu_blocks or 0) * int(cache.block_size),
@@ -94,11 +122,16 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kv-cache-dtype", default="turboquant_4bit_nc")
     p.add_argument("--mode", choices=("compiled", "eager"), default="compiled")
     p.add_argument("--tqkv", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--tqkv-via", choices=("config", "plugin"), default="config",
+                   help="enable tqkv through compilation_config() / enable(), or only TQKV_ENABLE=1 and the plugin")
     p.add_argument("--prompts", type=int, default=4)
     p.add_argument("--prompt-len", type=int, default=40)
     p.add_argument("--new-tokens", type=int, default=24)
     p.add_argument("--logprobs", type=int, default=5)
     p.add_argument("--max-model-len", type=int, default=512)
+    p.add_argument("--dtype", default="float32", help="activation dtype (vLLM's --dtype)")
+    p.add_argument("--init-std", type=float, default=0.08,
+                   help="std of the dummy weights (0: vLLM's own, within 1e-3)")
     p.add_argument("--graph-dump", default=None, help="folder for the graph before/after the pass")
     return p.parse_args(argv)
 

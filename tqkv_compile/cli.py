@@ -1,0 +1,40 @@
+"""The ``tqkv`` command: ``demo``, ``inspect``, ``bench kernels``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="tqkv", description="TurboQuant KV cache for vLLM, through torch.compile")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    from tqkv_compile import demo
+
+    demo.add_arguments(commands.add_parser("demo", help="vLLM on the CPU with a TurboQuant cache served by tqkv"))
+    inspect = commands.add_parser("inspect", help="print the attention graph before and after the tqkv pass")
+    inspect.add_argument("--model", default=None, help="model folder (config.json is enough); default: built-in")
+    inspect.add_argument("--kv-cache-dtype", default="turboquant_4bit_nc")
+    inspect.add_argument("--full", action="store_true", help="print the whole graphs, not the attention blocks")
+
+    bench = commands.add_parser("bench", help="benchmarks (GPU)")
+    bench_kinds = bench.add_subparsers(dest="kind", required=True)
+    bench_kinds.add_parser("kernels", help="per-layer kernel timings against FA3 and vLLM's TurboQuant", add_help=False)
+
+    args, rest = parser.parse_known_args(argv)
+    if args.command == "demo":
+        if rest:
+            parser.error(f"unrecognized arguments: {' '.join(rest)}")
+        return demo.run(args)
+    if args.command == "inspect":
+        if rest:
+            parser.error(f"unrecognized arguments: {' '.join(rest)}")
+        return demo.inspect(args)
+    from tqkv_compile import bench_kernels
+
+    return bench_kernels.main(rest)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

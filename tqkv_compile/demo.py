@@ -1,0 +1,212 @@
+"""``tqkv demo`` and ``tqkv inspect``: real vLLM on the CPU with a TurboQuant cache served by tqkv.
+
+The demo runs three engines, each in its own process (see :mod:`tqkv_compile.vllm.engine_run`):
+compiled with the tqkv pass, eager with the tqkv ops (the reference for the compiled run), and compiled
+with vLLM's bf16 cache (the quality baseline). Progress goes to stderr; ``--json`` prints one line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from importlib import resources
+
+from tqkv_compile.codec import get_preset
+
+
+def builtin_model(name: str = "tiny-llama") -> str:
+    return str(resources.files("tqkv_compile") / "models" / name)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="model folder (config.json is enough: dummy weights); default: "
+                   "a built-in 6-layer Llama")
+    p.add_argument("--kv-cache-dtype", default="turboquant_4bit_nc")
+    p.add_argument("--prompts", type=int, default=4, help="sequences decoded together")
+    p.add_argument("--prompt-len", type=int, default=40)
+    p.add_argument("--new-tokens", type=int, default=24)
+    p.add_argument("--dtype", default="float32",
+                   help="activation dtype; fp32 by default because in bf16 vLLM's own compiled and eager runs "
+                        "already diverge on random weights (no tqkv involved), which would hide what the check tests")
+    p.add_argument("--json", action="store_true", help="print one JSON object on one line")
+    p.add_argument("--no-baseline", action="store_true",
+                   help="skip the run with vLLM's uncompressed cache (the activation dtype)")
+
+
+def _say(message: str) -> None:
+    print(f"[tqkv] {message}", file=sys.stderr, flush=True)
+
+
+def run_engine(label: str, model: str, argv: list[str], log_dir: str) -> dict:
+    """One engine run in a child process, with a heartbeat while vLLM starts; returns its result dict."""
+    log_path = os.path.join(log_dir, re.sub(r"[^A-Za-z0-9]+", "_", label).strip("_") + ".log")
+    env = dict(os.environ)
+    env.pop("TRITON_INTERPRET", None)  # the demo runs the CPU reference backend, not interpreted kernels
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    command = [sys.executable, "-m", "tqkv_compile.vllm.engine_run", "--model", model, *argv]
+    _say(f"{label}: starting vLLM (log: {log_path})")
+    started = time.monotonic()
+    with open(log_path, "w") as log:
+        child = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+        while True:
+            try:
+                child.wait(timeout=15)
+                break
+            except subprocess.TimeoutExpired:
+                _say(f"{label}: {time.monotonic() - started:.0f} s ...")
+    with open(log_path) as log:
+        lines = log.read().splitlines()
+    results = [line for line in lines if line.startswith("TQKV_RESULT ")]
+    if child.returncode != 0 or not results:
+        tail = "\n".join(lines[-25:])
+        raise RuntimeError(f"{label}: the vLLM run failed (exit {child.returncode}); last lines of {log_path}:\n{tail}")
+    _say(f"{label}: done in {time.monotonic() - started:.0f} s")
+    return json.loads(results[-1].split(" ", 1)[1])
+
+
+def compare_logprobs(a: dict, b: dict) -> tuple[bool, float, float]:
+    """(same greedy tokens, largest |logprob difference| over the tokens both runs report in their top-k,
+    fraction of generated tokens before each sequence's first differing token). Logprobs are compared up to
+    and including each sequence's first differing step (after it the two runs see different text)."""
+    same, largest, agree, total = True, 0.0, 0, 0
+    for ta, tb, la, lb in zip(a["tokens"], b["tokens"], a["logprobs"], b["logprobs"]):
+        total += len(ta)
+        for step, (x, y) in enumerate(zip(ta, tb)):
+            for token in set(la[step]) & set(lb[step]):
+                if math.isfinite(la[step][token]) and math.isfinite(lb[step][token]):
+                    largest = max(largest, abs(la[step][token] - lb[step][token]))
+            if x != y:
+                same = False
+                break
+            agree += 1
+    return same, largest, agree / max(total, 1)
+
+
+def _model_shape(model: str) -> tuple[int, int, int]:
+    with open(os.path.join(model, "config.json")) as f:
+        cfg = json.load(f)
+    heads = cfg["num_attention_heads"]
+    kv_heads = cfg.get("num_key_value_heads") or heads
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    return cfg["num_hidden_layers"], kv_heads, head_dim
+
+
+def kv_bytes_per_token(model: str, preset: str, compressed_layers: int) -> tuple[int, int]:
+    """(bytes per token over all layers with the TurboQuant layers packed, the same all in bf16)."""
+    layers, kv_heads, head_dim = _model_shape(model)
+    bf16_layer = kv_heads * head_dim * 2 * 2
+    try:
+        slot = get_preset(preset, head_dim).slot_bytes
+    except ValueError:
+        slot = head_dim * 4
+    tq_layer = kv_heads * slot
+    return compressed_layers * tq_layer + (layers - compressed_layers) * bf16_layer, layers * bf16_layer
+
+
+def run(args: argparse.Namespace) -> int:
+    model = os.path.abspath(args.model) if args.model else builtin_model()
+    if not os.path.isfile(os.path.join(model, "config.json")):
+        raise SystemExit(f"tqkv demo: --model {model}: no config.json there")
+    common = ["--kv-cache-dtype", args.kv_cache_dtype, "--dtype", args.dtype, "--prompts", str(args.prompts),
+              "--prompt-len", str(args.prompt_len), "--new-tokens", str(args.new_tokens)]
+    log_dir = tempfile.mkdtemp(prefix="tqkv-demo-")
+    steps = 2 if args.no_baseline else 3
+    _say(f"model {model}, cache {args.kv_cache_dtype}, {args.dtype} activations; {steps} vLLM runs, about a "
+         "minute each")
+    compiled = run_engine(f"[1/{steps}] compiled + tqkv pass", model, [*common, "--mode", "compiled"], log_dir)
+    eager = run_engine(f"[2/{steps}] eager + tqkv ops", model, [*common, "--mode", "eager"], log_dir)
+    plain = None
+    if not args.no_baseline:
+        plain_args = [*common, "--mode", "compiled", "--no-tqkv"]
+        plain_args[1] = "auto"
+        plain = run_engine(f"[3/{steps}] compiled, uncompressed cache", model, plain_args, log_dir)
+
+    same, diff, _ = compare_logprobs(compiled, eager)
+    rewritten = compiled["served_compiled"]
+    per_token, per_token_bf16 = kv_bytes_per_token(model, args.kv_cache_dtype, len(rewritten))
+    summary = {
+        "model": model,
+        "kv_cache_dtype": args.kv_cache_dtype,
+        "dtype": args.dtype,
+        "layers_total": len(compiled["layers"]),
+        "layers_rewritten": len(rewritten),
+        "rewritten": rewritten,
+        "fallbacks": compiled["fallbacks"],
+        "pass_error": compiled["pass"]["error"],
+        "tokens_match_eager": same,
+        "max_logprob_diff": round(diff, 6),
+        "kv_bytes_per_token": per_token,
+        "kv_bytes_per_token_bf16": per_token_bf16,
+        "kv_capacity_tokens": compiled["kv_capacity_tokens"],
+        "decode_tok_s_compiled": compiled["decode_tok_s"],
+        "decode_tok_s_eager": eager["decode_tok_s"],
+        "start_s_compiled": compiled["start_s"],
+    }
+    if plain is not None:
+        same_plain, diff_plain, agree_plain = compare_logprobs(compiled, plain)
+        summary.update({
+            "tokens_match_uncompressed": same_plain,
+            "token_agreement_uncompressed": round(agree_plain, 4),
+            "max_logprob_diff_uncompressed": round(diff_plain, 6),
+            "decode_tok_s_uncompressed": plain["decode_tok_s"],
+            "kv_capacity_tokens_uncompressed": plain["kv_capacity_tokens"],
+        })
+    if args.json:
+        print(json.dumps(summary))
+    else:
+        _print_summary(summary)
+    return 0 if same and not summary["pass_error"] else 1
+
+
+def _print_summary(s: dict) -> None:
+    print(f"\nModel {s['model']}  ({s['kv_cache_dtype']})")
+    print(f"Attention layers: {s['layers_total']}, served by tqkv in the compiled graph: {s['layers_rewritten']}")
+    for name in s["rewritten"]:
+        print(f"  rewritten  {name}")
+    for name, reason in sorted(s["fallbacks"].items()):
+        print(f"  vLLM path  {name}: {reason}")
+    if s["pass_error"]:
+        print(f"  the pass failed and left the graph as it was: {s['pass_error']}")
+    print(f"Compiled vs eager (greedy): tokens {'match' if s['tokens_match_eager'] else 'DIFFER'}, "
+          f"largest top-k logprob difference {s['max_logprob_diff']:.2e}")
+    if "tokens_match_uncompressed" in s:
+        print(f"Compiled vs vLLM's uncompressed cache: {100 * s['token_agreement_uncompressed']:.0f}% of tokens "
+              f"before the first difference, largest top-k logprob difference up to it "
+              f"{s['max_logprob_diff_uncompressed']:.3f}")
+    ratio = s["kv_bytes_per_token_bf16"] / max(s["kv_bytes_per_token"], 1)
+    print(f"KV bytes per token (all layers): {s['kv_bytes_per_token']} vs {s['kv_bytes_per_token_bf16']} in bf16 "
+          f"({ratio:.2f}x smaller)")
+    line = f"Decode tokens/s: compiled {s['decode_tok_s_compiled']}, eager {s['decode_tok_s_eager']}"
+    if "decode_tok_s_uncompressed" in s:
+        line += f", uncompressed cache (vLLM) {s['decode_tok_s_uncompressed']}"
+    print(line)
+
+
+def inspect(args: argparse.Namespace) -> int:
+    from tqkv_compile.passes.graph_text import attention_blocks
+
+    model = os.path.abspath(args.model) if args.model else builtin_model()
+    log_dir = tempfile.mkdtemp(prefix="tqkv-inspect-")
+    dump = os.path.join(log_dir, "graphs")
+    result = run_engine("compiled + tqkv pass", model, ["--kv-cache-dtype", args.kv_cache_dtype, "--prompts", "1",
+                        "--new-tokens", "2", "--graph-dump", dump], log_dir)
+    files = sorted(os.listdir(dump)) if os.path.isdir(dump) else []
+    pairs = [(f, f.replace("-before", "-after")) for f in files if f.endswith("-before.txt")]
+    for before_file, after_file in pairs:
+        before = open(os.path.join(dump, before_file)).read()
+        after = open(os.path.join(dump, after_file)).read()
+        if not args.full and not attention_blocks(before):
+            continue
+        for tag, text in (("before", before), ("after", after)):
+            print(f"===== graph {tag} the tqkv pass =====")
+            print(text if args.full else "\n\n".join(attention_blocks(text)))
+    print(f"===== rewritten: {len(result['pass']['rewritten'])} of {result['pass']['attention_nodes']} attention "
+          f"layers; fallbacks: {json.dumps(result['pass']['fallbacks'])}")
+    return 0
