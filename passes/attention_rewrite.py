@@ -29,7 +29,7 @@ import torch
 
 from tqkv_compile.vllm import adapter, serving, wrapper_ops
 
-logger = logging.getLogger("tqkv_compile")
+logger = logging.getLogger("vllm.tqkv_compile")  # vLLM's log handler and format
 
 
 @dataclass

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import os
 
-logger = logging.getLogger("tqkv_compile")
+logger = logging.getLogger("vllm.tqkv_compile")  # vLLM's log handler and format
 _done = False
 
 

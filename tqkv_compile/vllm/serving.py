@@ -16,7 +16,7 @@ import tqkv_compile  # noqa: F401  (registers torch.ops.tqkv.*)
 from tqkv_compile.codec import PRESETS, SUPPORTED_HEAD_DIMS, get_preset
 from tqkv_compile.vllm import adapter
 
-logger = logging.getLogger("tqkv_compile")
+logger = logging.getLogger("vllm.tqkv_compile")  # vLLM's log handler and format
 
 #: layer name -> why tqkv does not serve it (vLLM's own path does)
 fallbacks: dict[str, str] = {}

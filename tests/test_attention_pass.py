@@ -1,0 +1,106 @@
+"""The graph pass on hand-built graphs of vLLM's attention pattern (no engine: fast)."""
+
+import operator
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+vllm = pytest.importorskip("vllm")
+pytest.importorskip("vllm.model_executor.layers.attention.attention")  # registers vllm::unified_* ops
+
+from tqkv_compile.passes import attention_rewrite  # noqa: E402
+from tqkv_compile.passes.attention_rewrite import TqkvAttentionRewritePass  # noqa: E402
+from tqkv_compile.vllm import adapter, serving, wrapper_ops  # noqa: E402
+
+LAYER = "model.layers.2.self_attn.attn"
+
+
+def vllm_attention_graph(layer_name: str = LAYER) -> torch.fx.Graph:
+    g = torch.fx.Graph()
+    query, key, value, output = (g.placeholder(n) for n in ("query", "key", "value", "output"))
+    name = g.placeholder("layer_name")
+    name.meta["val"] = SimpleNamespace(value=layer_name)  # how a LayerName looks at pass time
+    update = g.call_function(torch.ops.vllm.unified_kv_cache_update.default, (key, value, name))
+    attention = g.call_function(
+        torch.ops.higher_order.auto_functionalized,
+        (torch.ops.vllm.unified_attention_with_output.default,),
+        dict(query=query, key=key, value=value, output=output, layer_name=name, output_scale=None,
+             output_block_scale=None, kv_cache_dummy_dep=update),
+    )
+    g.output(g.call_function(operator.getitem, (attention, 1)))
+    return g
+
+
+def turboquant_layer(**overrides):
+    impl = SimpleNamespace(head_size=128, num_heads=8, num_kv_heads=2, alibi_slopes=None, sinks=None,
+                           logits_soft_cap=None)
+    fields = dict(kv_cache_dtype="turboquant_4bit_nc", head_size=128, sliding_window=None, attn_type="decoder",
+                  impl=impl, layer_name=LAYER)
+    fields.update(overrides)
+    return SimpleNamespace(**fields)
+
+
+def targets(g: torch.fx.Graph) -> list:
+    return [n.args[0] if n.target is torch.ops.higher_order.auto_functionalized else n.target
+            for n in g.nodes if n.op == "call_function" and n.target is not operator.getitem]
+
+
+def test_pass_rewrites_a_fitting_layer_to_tqkv_ops(monkeypatch):
+    monkeypatch.setattr(adapter, "attention_layers", lambda: {LAYER: turboquant_layer()})
+    g = vllm_attention_graph()
+    TqkvAttentionRewritePass()(g)
+    assert targets(g) == [torch.ops.tqkv.vllm_kv_cache_update.default,
+                          torch.ops.tqkv.vllm_unified_attention_with_output.default]
+    assert attention_rewrite.last_report.rewritten == [LAYER]
+    g.lint()
+
+
+def test_layer_unknown_at_pass_time_is_rewritten_and_routed_at_run_time(monkeypatch):
+    monkeypatch.setattr(adapter, "attention_layers", lambda: {})
+    g = vllm_attention_graph()
+    TqkvAttentionRewritePass()(g)
+    assert torch.ops.tqkv.vllm_kv_cache_update.default in targets(g)
+
+
+@pytest.mark.parametrize("override, reason", [
+    (dict(kv_cache_dtype="auto"), "kv cache dtype 'auto' is not TurboQuant"),
+    (dict(kv_cache_dtype="fp8_e4m3"), "kv cache dtype 'fp8_e4m3' is not TurboQuant"),
+    (dict(head_size=96), "head size 96 is not supported"),
+    (dict(sliding_window=4096), "sliding window (4096) is not supported"),
+    (dict(attn_type="encoder_only"), "attention type encoder_only is not supported"),
+])
+def test_a_layer_that_does_not_fit_leaves_the_graph_exactly_as_it_was(monkeypatch, override, reason):
+    monkeypatch.setattr(adapter, "attention_layers", lambda: {LAYER: turboquant_layer(**override)})
+    g = vllm_attention_graph()
+    before = str(g)
+    TqkvAttentionRewritePass()(g)
+    assert str(g) == before
+    assert attention_rewrite.last_report.fallbacks[LAYER].startswith(reason)
+    assert serving.fallbacks[LAYER].startswith(reason)
+
+
+def test_an_exception_inside_the_pass_leaves_the_graph_and_is_reported(monkeypatch):
+    def broken():
+        raise RuntimeError("simulated failure")
+
+    monkeypatch.setattr(wrapper_ops, "register", broken)
+    g = vllm_attention_graph()
+    before = str(g)
+    TqkvAttentionRewritePass()(g)
+    assert str(g) == before
+    assert attention_rewrite.last_report.error == "RuntimeError: simulated failure"
+
+
+def test_an_unknown_vllm_version_leaves_the_graph_and_says_so(monkeypatch):
+    monkeypatch.setattr(adapter, "vllm_version", lambda: "0.99.0")
+    g = vllm_attention_graph()
+    before = str(g)
+    TqkvAttentionRewritePass()(g)
+    assert str(g) == before
+    assert "0.99.0 is not a version tqkv_compile knows" in attention_rewrite.last_report.fallbacks["*"]
+
+
+def test_uuid_is_a_stable_string_covering_the_pass_sources():
+    a, b = TqkvAttentionRewritePass().uuid(), TqkvAttentionRewritePass().uuid()
+    assert isinstance(a, str) and a == b and len(a) >= 32
