@@ -64,7 +64,7 @@ def _record(records, **fields):
     print(json.dumps(fields), flush=True)
 
 
-def _decode_case(records, B, L, presets, vllm, tune):
+def _decode_case(records, B, L, presets, vllm, tune, variants=None):
     import tqkv_compile
     from tqkv_compile.lowerings.triton_attention import decode_attention
 
@@ -100,6 +100,7 @@ def _decode_case(records, B, L, presets, vllm, tune):
             _record(records, op="decode", B=B, L=L, impl="fa3_fp8", preset="fp8", error=str(exc)[:300])
         del kc, vc
         torch.cuda.empty_cache()
+    tune_variants = variants
     for name in presets:
         p = tqkv_compile.get_preset(name, D)
         cache = torch.randint(0, 100, (num_blocks, BS, HK, p.slot_bytes), dtype=torch.uint8, device=dev)
@@ -108,8 +109,9 @@ def _decode_case(records, B, L, presets, vllm, tune):
         rotation, centroids, _ = backend.tables(p, torch.device(dev))
         variants = [{}]
         if tune:
-            variants = [dict(block_n=bn, num_warps=w, num_stages=s, centroid_gather=g)
-                        for bn in (32, 64, 128) for w in (4, 8) for s in (2, 3) for g in (False, True)]
+            variants = tune_variants or [dict(block_n=bn, num_warps=w, num_stages=s, kernel=k)
+                                         for bn in (32, 64, 128) for w in (4, 8) for s in (2, 3)
+                                         for k in ("words", "bytes")]
         for kw in variants:
             try:
                 fn = lambda: decode_attention(q, cache, bt, seq_lens, qsl, scale, p, rotation, centroids, **kw)  # noqa: E731
@@ -248,7 +250,7 @@ def _meta(argv) -> dict:
     except Exception:  # noqa: BLE001
         vllm_version = None
     try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+        commit = subprocess.run(["git", "rev-parse", "--verify", "-q", "HEAD"], capture_output=True, text=True,
                                 cwd=Path(__file__).parent).stdout.strip() or None
     except OSError:
         commit = None
@@ -299,6 +301,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--write-tokens", default=",".join(map(str, WRITE_TOKENS)), help="kv_write token counts")
     parser.add_argument("--no-baselines", action="store_true", help="time tqkv only")
     parser.add_argument("--tune", action="store_true", help="time a grid of tqkv decode kernel configurations")
+    parser.add_argument("--variants", help="with --tune: a JSON list of decode_attention keyword dicts")
     parser.add_argument("--check", action="store_true", help="compare the Triton backend with the reference, then exit")
     parser.add_argument("--dims", default="64,128,256", help="head sizes for --check")
     args = parser.parse_args(argv)
@@ -312,7 +315,8 @@ def main(argv: list[str] | None = None) -> int:
     vllm = None if args.no_baselines or args.tune else _vllm()
     records: list[dict] = [_meta(argv)]
     for B, L in cases:
-        _decode_case(records, B, L, presets, vllm, args.tune)
+        _decode_case(records, B, L, presets, vllm, args.tune,
+                     json.loads(args.variants) if args.variants else None)
     if not args.tune:
         for T in (int(t) for t in args.write_tokens.split(",") if t):
             _write_case(records, T, presets, vllm)

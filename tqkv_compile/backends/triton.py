@@ -37,6 +37,10 @@ class TritonBackend:
         usable = device.type == "cuda" or (device.type == "cpu" and _interpreting())
         return usable and _triton_importable()
 
+    def auto_selects(self, device: torch.device) -> bool:
+        """Chosen automatically on CUDA only; the CPU interpreter is for tests that ask for it by name."""
+        return torch.device(device).type == "cuda" and self.supports(device)
+
     def tables(self, preset: Preset, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(rotation fp32 [D, D], centroids fp32 [2^b], midpoints fp32 [2^b - 1]) on device; placeholders
         for fp8 keys, which use none of them."""

@@ -1,0 +1,563 @@
+"""Triton decode attention straight from the packed TurboQuant cache: split-KV, then a log-sum-exp merge.
+
+Grid ``(query rows, kv heads, NUM_SPLITS)``, fixed by tensor shapes alone (CUDA-graph safe). One program
+serves one query row's whole query-head group (padded to ``BLOCK_H`` >= 16, the M side of ``tl.dot``) over
+one split of that row's causal context, in tiles of ``BLOCK_N`` positions:
+
+- keys: codes unpacked in registers, centroids chosen by a select tree over the code bits (no memory
+  gather); scores = dot(q @ H, centroids) * ||k|| / ||c|| (nc), or dot(q, fp8 keys). The query is rotated
+  and scaled by ``scale * log2(e)`` once, before the kernel;
+- softmax in base 2 (``exp2``), online over the tiles;
+- values: integer codes are exact in fp16, so ``P.V = (P * scale) . codes + (P . zero)`` per column.
+
+Each program writes its partial output (normalised) and its base-2 log-sum-exp; the merge kernel combines
+the splits. A row's sequence and causal length come from ``query_start_loc`` inside the kernel (the
+one-token-per-sequence case is recognised in two loads; other rows binary-search), so any mix of decode and
+multi-token rows is served: each row attends to positions ``0 .. seq_len - n_new + j``.
+
+Two split kernels share that contract: ``_decode_split_kernel`` (byte loads) and ``_decode_words_kernel``
+(fp8 / 4-bit fields read as 32-bit words, unpacked into plane-ordered tiles, the query permuted to match);
+:func:`default_kernel` picks the one measured faster on the H200 (see bench/results/h200-kernels-notes.md).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from tqkv_compile.codec import Preset
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _select8(code, c0, c1, c2, c3, c4, c5, c6, c7):
+    """Pick c[code & 7] by a select tree over the low three bits of int32 code."""
+    b0 = (code & 1) != 0
+    b1 = (code & 2) != 0
+    b2 = (code & 4) != 0
+    x01 = tl.where(b0, c1, c0)
+    x23 = tl.where(b0, c3, c2)
+    x45 = tl.where(b0, c5, c4)
+    x67 = tl.where(b0, c7, c6)
+    return tl.where(b2, tl.where(b1, x67, x45), tl.where(b1, x23, x01))
+
+
+@triton.jit
+def _centroids(code, cent_ptr, BITS: tl.constexpr, GATHER: tl.constexpr):
+    """int32 codes -> fp32 Lloyd-Max centroids: the table held in registers (scalars) and selected, or
+    (GATHER) loaded per code from the cached table."""
+    if GATHER:
+        values = tl.load(cent_ptr + code)
+    else:
+        values = _select8(code, tl.load(cent_ptr + 0), tl.load(cent_ptr + 1), tl.load(cent_ptr + 2),
+                          tl.load(cent_ptr + 3), tl.load(cent_ptr + 4), tl.load(cent_ptr + 5), tl.load(cent_ptr + 6),
+                          tl.load(cent_ptr + 7))
+        if BITS == 4:
+            upper = _select8(code, tl.load(cent_ptr + 8), tl.load(cent_ptr + 9), tl.load(cent_ptr + 10),
+                             tl.load(cent_ptr + 11), tl.load(cent_ptr + 12), tl.load(cent_ptr + 13),
+                             tl.load(cent_ptr + 14), tl.load(cent_ptr + 15))
+            values = tl.where((code & 8) != 0, upper, values)
+    return values
+
+
+@triton.jit
+def _load_nibbles(cache_ptr, base, valid, s_byte, D: tl.constexpr):
+    """4-bit codes of BLOCK_N slots at byte offsets base -> (even, odd) int32 [BLOCK_N, D/2]: coordinates
+    2i and 2i+1, the low and high nibble of byte i. Each byte is loaded once; no interleave."""
+    i = tl.arange(0, D // 2)
+    packed = tl.load(cache_ptr + base[:, None] + i[None, :] * s_byte, mask=valid[:, None], other=0).to(tl.int32)
+    return packed & 15, packed >> 4
+
+
+@triton.jit
+def _order3(D: tl.constexpr):
+    """The column order of 3-bit code tiles: column c holds coordinate 8 * (c % (D/8)) + c // (D/8), so
+    that each eighth of the columns reads one bit offset (a plane) of the 3-byte groups."""
+    c = tl.arange(0, D)
+    return 8 * (c % (D // 8)) + c // (D // 8)
+
+
+@triton.jit
+def _load_codes3(cache_ptr, base, valid, s_byte, D: tl.constexpr):
+    """3-bit codes of BLOCK_N slots -> int32 [BLOCK_N, D] in :func:`_order3` column order, each read through
+    a 16-bit window (the second byte only where a code straddles two bytes)."""
+    bit = 3 * _order3(D)
+    byte = bit >> 3
+    shift = bit & 7
+    addr = cache_ptr + base[:, None] + byte[None, :] * s_byte
+    lo = tl.load(addr, mask=valid[:, None], other=0).to(tl.int32)
+    hi = tl.load(addr + s_byte, mask=valid[:, None] & (shift > 5)[None, :], other=0).to(tl.int32)
+    return ((lo | (hi << 8)) >> shift[None, :]) & 7
+
+
+@triton.jit
+def _codes_f16(codes):
+    """int32 codes in [0, 1024) -> fp16 1024 + code, exactly, by placing them in fp16's 1024 binade
+    (an OR instead of an int-to-float conversion); callers subtract the 1024."""
+    return (codes | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
+
+
+@triton.jit
+def _load_fp16(cache_ptr, addr, valid):
+    """Little-endian fp16 at byte offsets addr [BLOCK_N] -> fp32."""
+    lo = tl.load(cache_ptr + addr, mask=valid, other=0).to(tl.int32)
+    hi = tl.load(cache_ptr + addr + 1, mask=valid, other=0).to(tl.int32)
+    return (lo | (hi << 8)).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _load_query(q_ptr, row, q_heads, head_ok, s_qt, s_qh, s_qd, qscale,
+                D: tl.constexpr, KEY_FP8: tl.constexpr, KEY_BITS: tl.constexpr, DTYPE: tl.constexpr):
+    """The query group [BLOCK_H, ...] in the column order the key tiles use: (q, q) for fp8 keys (natural
+    order; the second is unused), (even, odd) coordinates for 4-bit keys, (:func:`_order3`, unused) for 3-bit."""
+    rows = q_ptr + row * s_qt + q_heads[:, None] * s_qh
+    if KEY_FP8:
+        first = tl.load(rows + tl.arange(0, D)[None, :] * s_qd, mask=head_ok[:, None], other=0.0)
+        second = first
+    elif KEY_BITS == 4:
+        i = tl.arange(0, D // 2)
+        first = tl.load(rows + (2 * i)[None, :] * s_qd, mask=head_ok[:, None], other=0.0)
+        second = tl.load(rows + (2 * i + 1)[None, :] * s_qd, mask=head_ok[:, None], other=0.0)
+    else:
+        first = tl.load(rows + _order3(D)[None, :] * s_qd, mask=head_ok[:, None], other=0.0)
+        second = first
+    return (first.to(tl.float32) * qscale).to(DTYPE), (second.to(tl.float32) * qscale).to(DTYPE)
+
+
+@triton.jit
+def _key_scores(q_a, q_b, cache_ptr, cent_ptr, base, valid, s_byte,
+                D: tl.constexpr, KEY_FP8: tl.constexpr, KEY_BITS: tl.constexpr, KEY_CODE_BYTES: tl.constexpr,
+                NORM_CORRECTION: tl.constexpr, GATHER: tl.constexpr, DTYPE: tl.constexpr,
+                PRECISION: tl.constexpr):
+    """Scores [BLOCK_H, BLOCK_N] = <q, k> of the query group (from :func:`_load_query`) against BLOCK_N keys
+    read straight from their slots; the query is already rotated (Lloyd-Max keys) and scaled."""
+    if KEY_FP8:
+        raw = tl.load(cache_ptr + base[:, None] + tl.arange(0, D)[None, :] * s_byte, mask=valid[:, None], other=0)
+        keys = raw.to(tl.float8e4nv, bitcast=True).to(DTYPE)
+        scores = tl.dot(q_a, tl.trans(keys), input_precision=PRECISION)
+    else:
+        if KEY_BITS == 4:
+            even, odd = _load_nibbles(cache_ptr, base, valid, s_byte, D)
+            c_even = _centroids(even, cent_ptr, 4, GATHER)
+            c_odd = _centroids(odd, cent_ptr, 4, GATHER)
+            scores = tl.dot(q_a, tl.trans(c_even.to(DTYPE)), input_precision=PRECISION)
+            scores = tl.dot(q_b, tl.trans(c_odd.to(DTYPE)), scores, input_precision=PRECISION)
+            if NORM_CORRECTION:
+                sumsq = tl.sum(c_even * c_even, axis=1) + tl.sum(c_odd * c_odd, axis=1)
+        else:
+            cent = _centroids(_load_codes3(cache_ptr, base, valid, s_byte, D), cent_ptr, 3, GATHER)
+            scores = tl.dot(q_a, tl.trans(cent.to(DTYPE)), input_precision=PRECISION)
+            if NORM_CORRECTION:
+                sumsq = tl.sum(cent * cent, axis=1)
+        factor = _load_fp16(cache_ptr, base + KEY_CODE_BYTES * s_byte, valid)
+        if NORM_CORRECTION:
+            factor = factor / tl.sqrt(sumsq + 1e-16)
+        scores = scores * factor[None, :]
+    return scores
+
+
+@triton.jit
+def _row_context(row, qsl_ptr, seq_lens_ptr, num_seqs, SEARCH_STEPS: tl.constexpr):
+    """Query row -> (its sequence, its causal context length); length 0 for rows past the last sequence."""
+    in_batch = row < num_seqs
+    start = tl.load(qsl_ptr + row, mask=in_batch, other=0)
+    stop = tl.load(qsl_ptr + row + 1, mask=in_batch, other=0)
+    seq = row
+    if not ((start <= row) & (row < stop)):  # not one token per sequence: bisect query_start_loc
+        lo = row * 0
+        hi = lo + num_seqs
+        for _ in range(SEARCH_STEPS):
+            mid = (lo + hi) // 2
+            go = tl.load(qsl_ptr + 1 + mid, mask=mid < num_seqs, other=0) <= row
+            active = lo < hi
+            lo = tl.where(active & go, mid + 1, lo)
+            hi = tl.where(active & (go == 0), mid, hi)
+        seq = tl.minimum(lo, num_seqs - 1)
+        start = tl.load(qsl_ptr + seq)
+        stop = tl.load(qsl_ptr + seq + 1)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    length = seq_len - (stop - start) + (row - start) + 1
+    length = tl.where((start <= row) & (row < stop), length, 0)
+    return seq, length
+
+
+@triton.jit
+def _decode_split_kernel(
+    q_ptr, cache_ptr, block_table_ptr, seq_lens_ptr, qsl_ptr, cent_ptr, part_out_ptr, part_lse_ptr,
+    num_seqs, qscale,
+    s_qt, s_qh, s_qd, s_bt, s_bm,
+    s_blk, s_pos, s_head, s_byte,
+    GROUP: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, SEARCH_STEPS: tl.constexpr,
+    KEY_FP8: tl.constexpr, KEY_BITS: tl.constexpr, KEY_CODE_BYTES: tl.constexpr, NORM_CORRECTION: tl.constexpr,
+    VALUE_BITS: tl.constexpr, VALUE_OFFSET: tl.constexpr, VALUE_CODE_BYTES: tl.constexpr,
+    DOT_FP32: tl.constexpr, GATHER: tl.constexpr,
+):
+    row = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    DTYPE: tl.constexpr = tl.float32 if DOT_FP32 else tl.float16
+
+    seq, length = _row_context(row, qsl_ptr, seq_lens_ptr, num_seqs, SEARCH_STEPS)
+    per_split = tl.cdiv(tl.cdiv(length, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    begin = split * per_split
+    end = tl.minimum(begin + per_split, length)
+
+    h = tl.arange(0, BLOCK_H)
+    q_heads = kv_head * GROUP + h
+    part = (row * (GROUP * tl.num_programs(1)) + q_heads) * NUM_SPLITS + split  # [BLOCK_H]
+    head_ok = h < GROUP
+    if begin >= end:
+        tl.store(part_lse_ptr + part, tl.full((BLOCK_H,), float("-inf"), tl.float32), mask=head_ok)
+        return
+
+    q_a, q_b = _load_query(q_ptr, row, q_heads, head_ok, s_qt, s_qh, s_qd, qscale, D, KEY_FP8, KEY_BITS, DTYPE)
+    m_i = tl.full((BLOCK_H,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BLOCK_H,), tl.float32)
+    # Value accumulators: (even, odd) coordinates for 4-bit values, _order3 columns for 3-bit (b unused).
+    if VALUE_BITS == 4:
+        acc_a = tl.zeros((BLOCK_H, D // 2), tl.float32)
+        acc_b = tl.zeros((BLOCK_H, D // 2), tl.float32)
+    else:
+        acc_a = tl.zeros((BLOCK_H, D), tl.float32)
+        acc_b = tl.zeros((BLOCK_H, 16), tl.float32)
+    shift = tl.zeros((BLOCK_H,), tl.float32)  # sum of P * (zero - 1024 * scale): the affine part of P.V
+    bt_row = block_table_ptr + seq.to(tl.int64) * s_bt
+    n = tl.arange(0, BLOCK_N)
+    for start in range(begin, end, BLOCK_N):
+        pos = start + n
+        valid = pos < end
+        block = tl.load(bt_row + (pos // BLOCK_SIZE) * s_bm, mask=valid, other=0).to(tl.int64)
+        base = block * s_blk + (pos % BLOCK_SIZE) * s_pos + kv_head * s_head
+
+        scores = _key_scores(q_a, q_b, cache_ptr, cent_ptr, base, valid, s_byte, D, KEY_FP8, KEY_BITS,
+                             KEY_CODE_BYTES, NORM_CORRECTION, GATHER, DTYPE, "ieee" if DOT_FP32 else None)
+        scores = tl.where(valid[None, :], scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(scores - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        m_i = m_new
+
+        vbase = base + VALUE_OFFSET * s_byte
+        vscale = _load_fp16(cache_ptr, vbase + VALUE_CODE_BYTES * s_byte, valid)
+        vzero = _load_fp16(cache_ptr, vbase + (VALUE_CODE_BYTES + 2) * s_byte, valid)
+        ps = (p * vscale[None, :]).to(DTYPE)
+        # codes enter the dot as 1024 + code; take 1024 * sum(P * scale) back out with the zero point
+        shift = shift * alpha + tl.sum(p * vzero[None, :], axis=1) - 1024.0 * tl.sum(ps.to(tl.float32), axis=1)
+        if VALUE_BITS == 4:
+            even, odd = _load_nibbles(cache_ptr, vbase, valid, s_byte, D)
+            acc_a = tl.dot(ps, _codes_f16(even).to(DTYPE), acc_a * alpha[:, None])
+            acc_b = tl.dot(ps, _codes_f16(odd).to(DTYPE), acc_b * alpha[:, None])
+        else:
+            codes = _load_codes3(cache_ptr, vbase, valid, s_byte, D)
+            acc_a = tl.dot(ps, _codes_f16(codes).to(DTYPE), acc_a * alpha[:, None])
+
+    inv = 1.0 / l_i
+    shift = shift * inv
+    rows_out = part_out_ptr + part[:, None] * D
+    if VALUE_BITS == 4:
+        i = tl.arange(0, D // 2)
+        tl.store(rows_out + (2 * i)[None, :], acc_a * inv[:, None] + shift[:, None], mask=head_ok[:, None])
+        tl.store(rows_out + (2 * i + 1)[None, :], acc_b * inv[:, None] + shift[:, None], mask=head_ok[:, None])
+    else:
+        tl.store(rows_out + _order3(D)[None, :], acc_a * inv[:, None] + shift[:, None], mask=head_ok[:, None])
+    tl.store(part_lse_ptr + part, m_i + tl.log2(l_i), mask=head_ok)
+
+
+@triton.jit
+def _load_words(wptr, addr, valid, NW: tl.constexpr):
+    """Raw 32-bit words for the byte field at addr [BLOCK_N] (byte offsets): (lo, hi) int32 [BLOCK_N, NW], the
+    aligned words at and after the field start; hi is read only where the field is not 4-byte aligned.
+    :func:`_funnel` turns them into the field's own little-endian words."""
+    a0 = addr >> 2
+    mis = (addr & 3) != 0
+    j = tl.arange(0, NW)
+    ptrs = wptr + a0[:, None] + j[None, :]
+    lo = tl.load(ptrs, mask=valid[:, None], other=0)
+    hi = tl.load(ptrs + 1, mask=(valid & mis)[:, None], other=0)
+    return lo, hi
+
+
+@triton.jit
+def _funnel(lo, hi, addr):
+    """Word j of the field = bytes addr + 4j .. addr + 4j + 3 (little-endian), from :func:`_load_words`."""
+    sh = ((addr & 3) * 8).to(tl.int32)[:, None]
+    lo = lo.to(tl.uint32, bitcast=True)
+    hi = hi.to(tl.uint32, bitcast=True)
+    return ((lo >> sh) | ((hi << 1) << (31 - sh))).to(tl.int32, bitcast=True)
+
+
+@triton.jit
+def _word_planes(w, BITS: tl.constexpr, NW: tl.constexpr):
+    """int32 words [BLOCK_N, NW] -> fields [BLOCK_N, 32 // BITS, NW]: plane k, column j holds the BITS-bit
+    field at bit k * BITS of word j (coordinate j * (32 // BITS) + k)."""
+    k = tl.arange(0, 32 // BITS)
+    mask: tl.constexpr = (1 << BITS) - 1
+    return (w[:, None, :] >> (k * BITS)[None, :, None]) & mask
+
+
+@triton.jit
+def _centroids_sym16(code, cent_ptr):
+    """4-bit codes -> fp32 centroids, using the table's sign symmetry c[15 - i] = -c[i]: an 8-way select on
+    the folded index, then the sign."""
+    upper = code >= 8
+    folded = tl.where(upper, 15 - code, code)
+    mag = _select8(folded, tl.load(cent_ptr + 0), tl.load(cent_ptr + 1), tl.load(cent_ptr + 2),
+                   tl.load(cent_ptr + 3), tl.load(cent_ptr + 4), tl.load(cent_ptr + 5), tl.load(cent_ptr + 6),
+                   tl.load(cent_ptr + 7))
+    return tl.where(upper, -mag, mag)
+
+
+@triton.jit
+def _meta_fp16(lo, hi, addr):
+    """Two fp16 at addr (low half, high half of the funnelled word) -> fp32 pair, from words [BLOCK_N, 1]."""
+    w = tl.sum(_funnel(lo, hi, addr), axis=1)
+    first = (w & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    second = ((w >> 16) & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    return first, second
+
+
+@triton.jit
+def _decode_words_kernel(
+    q_ptr, cache_ptr, block_table_ptr, seq_lens_ptr, qsl_ptr, cent_ptr, part_out_ptr, part_lse_ptr,
+    num_seqs,
+    s_qt, s_qh, s_qd, s_bt, s_bm,
+    s_blk, s_pos, s_head,
+    GROUP: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, SEARCH_STEPS: tl.constexpr,
+    KEY_FP8: tl.constexpr, KEY_BITS: tl.constexpr, KEY_CODE_BYTES: tl.constexpr, NORM_CORRECTION: tl.constexpr,
+    VALUE_BITS: tl.constexpr, VALUE_OFFSET: tl.constexpr, VALUE_CODE_BYTES: tl.constexpr,
+    DOT_FP32: tl.constexpr, SYM: tl.constexpr,
+):
+    """Like :func:`_decode_split_kernel`, for a cache whose last stride is 1 and whose base is 4-byte aligned:
+    fp8 and 4-bit fields are read as 32-bit words (funnel-shifted where a slot is not word aligned) and
+    unpacked into [BLOCK_N, planes, words] tiles, reshaped to [BLOCK_N, D] in plane order (column
+    c = k * (D / per_word) + j holds coordinate j * per_word + k); the query arrives permuted to the key
+    tile's column order; value accumulators are kept in the value tile's column order. 3-bit fields keep
+    the byte path."""
+    row = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    DTYPE: tl.constexpr = tl.float32 if DOT_FP32 else tl.float16
+    PRECISION: tl.constexpr = "ieee" if DOT_FP32 else None
+    wptr = cache_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
+
+    seq, length = _row_context(row, qsl_ptr, seq_lens_ptr, num_seqs, SEARCH_STEPS)
+    per_split = tl.cdiv(tl.cdiv(length, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    begin = split * per_split
+    end = tl.minimum(begin + per_split, length)
+
+    h = tl.arange(0, BLOCK_H)
+    q_heads = kv_head * GROUP + h
+    part = (row * (GROUP * tl.num_programs(1)) + q_heads) * NUM_SPLITS + split  # [BLOCK_H]
+    head_ok = h < GROUP
+    if begin >= end:
+        tl.store(part_lse_ptr + part, tl.full((BLOCK_H,), float("-inf"), tl.float32), mask=head_ok)
+        return
+
+    d = tl.arange(0, D)
+    q = tl.load(q_ptr + row * s_qt + q_heads[:, None] * s_qh + d[None, :] * s_qd, mask=head_ok[:, None], other=0.0)
+    q = q.to(DTYPE)
+    m_i = tl.full((BLOCK_H,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BLOCK_H,), tl.float32)
+    acc = tl.zeros((BLOCK_H, D), tl.float32)
+    shift = tl.zeros((BLOCK_H,), tl.float32)  # sum of P * (zero - 1024 * scale): the affine part of P.V
+    bt_row = block_table_ptr + seq.to(tl.int64) * s_bt
+    n = tl.arange(0, BLOCK_N)
+    KW: tl.constexpr = D // 4 if KEY_FP8 else D * KEY_BITS // 32  # key code words
+    VW: tl.constexpr = D * VALUE_BITS // 32
+    for start in range(begin, end, BLOCK_N):
+        pos = start + n
+        valid = pos < end
+        block = tl.load(bt_row + (pos // BLOCK_SIZE) * s_bm, mask=valid, other=0).to(tl.int64)
+        base = block * s_blk + (pos % BLOCK_SIZE) * s_pos + kv_head * s_head
+
+        # ---- keys -> scores [BLOCK_H, BLOCK_N]
+        if KEY_FP8:
+            lo, hi = _load_words(wptr, base, valid, KW)
+            raw = _word_planes(_funnel(lo, hi, base), 8, KW)
+            keys = raw.to(tl.int8).to(tl.float8e4nv, bitcast=True).to(DTYPE)
+            keys = tl.reshape(keys, (BLOCK_N, D))
+            scores = tl.dot(q, tl.trans(keys), input_precision=PRECISION)
+        else:
+            naddr = base + KEY_CODE_BYTES
+            nlo, nhi = _load_words(wptr, naddr, valid, 1)
+            if KEY_BITS == 4:
+                lo, hi = _load_words(wptr, base, valid, KW)
+                codes = _word_planes(_funnel(lo, hi, base), 4, KW)
+                if SYM:
+                    cent = _centroids_sym16(codes, cent_ptr)
+                else:
+                    cent = _centroids(codes, cent_ptr, 4, False)
+                cent = tl.reshape(cent, (BLOCK_N, D))
+            else:
+                cent = _centroids(_load_codes3(cache_ptr, base, valid, 1, D), cent_ptr, 3, False)
+            scores = tl.dot(q, tl.trans(cent.to(DTYPE)), input_precision=PRECISION)
+            factor, _unused = _meta_fp16(nlo, nhi, naddr)
+            if NORM_CORRECTION:
+                factor = factor / tl.sqrt(tl.sum(cent * cent, axis=1) + 1e-16)
+            scores = scores * factor[None, :]
+        scores = tl.where(valid[None, :], scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(scores - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        m_i = m_new
+
+        # ---- values
+        vbase = base + VALUE_OFFSET
+        saddr = vbase + VALUE_CODE_BYTES
+        slo, shi = _load_words(wptr, saddr, valid, 1)
+        vscale, vzero = _meta_fp16(slo, shi, saddr)
+        ps = (p * vscale[None, :]).to(DTYPE)
+        shift = shift * alpha + tl.sum(p * vzero[None, :], axis=1) - 1024.0 * tl.sum(ps.to(tl.float32), axis=1)
+        if VALUE_BITS == 4:
+            lo, hi = _load_words(wptr, vbase, valid, VW)
+            vcodes = tl.reshape(_word_planes(_funnel(lo, hi, vbase), 4, VW), (BLOCK_N, D))
+        else:
+            vcodes = _load_codes3(cache_ptr, vbase, valid, 1, D)
+        acc = tl.dot(ps, _codes_f16(vcodes).to(DTYPE), acc * alpha[:, None])
+
+    inv = 1.0 / l_i
+    out = acc * inv[:, None] + (shift * inv)[:, None]
+    if VALUE_BITS == 4:
+        col = (d % (D // 8)) * 8 + d // (D // 8)
+    else:
+        col = _order3(D)
+    tl.store(part_out_ptr + part[:, None] * D + col[None, :], out, mask=head_ok[:, None])
+    tl.store(part_lse_ptr + part, m_i + tl.log2(l_i), mask=head_ok)
+
+
+def key_column_order(preset: Preset, dim: int) -> torch.Tensor:
+    """Coordinate held by each column of the word kernel's key tile (see :func:`_decode_words_kernel`)."""
+    c = torch.arange(dim)
+    if preset.key_fp8:
+        per = 4
+    elif preset.key_bits == 4:
+        per = 8
+    else:
+        return 8 * (c % (dim // 8)) + c // (dim // 8)
+    return (c % (dim // per)) * per + c // (dim // per)
+
+
+@triton.jit
+def _merge_kernel(part_out_ptr, part_lse_ptr, out_ptr, s_ot, s_oh, s_od,
+                  NUM_HEADS: tl.constexpr, D: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr):
+    row = tl.program_id(0)
+    head = tl.program_id(1)
+    s = tl.arange(0, SPLITS_P2)
+    d = tl.arange(0, D)
+    part = (row * NUM_HEADS + head) * NUM_SPLITS + s
+    lse = tl.load(part_lse_ptr + part, mask=s < NUM_SPLITS, other=float("-inf"))
+    top = tl.max(lse, axis=0)
+    live = lse > float("-inf")
+    weight = tl.where(live, tl.exp2(lse - top), 0.0)
+    parts = tl.load(part_out_ptr + part[:, None] * D + d[None, :], mask=live[:, None], other=0.0)
+    total = tl.sum(weight, axis=0)
+    out = tl.sum(parts * weight[:, None], axis=0) / tl.where(total > 0, total, 1.0)
+    tl.store(out_ptr + row * s_ot + head * s_oh + d * s_od, out.to(out_ptr.dtype.element_ty))
+
+
+_SM_COUNT: dict[int, int] = {}
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SM_COUNT:
+        _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SM_COUNT[index]
+
+
+def num_splits(rows: int, kv_heads: int, max_len: int, device: torch.device, block_n: int) -> int:
+    """Splits per (row, kv head): enough programs to fill the GPU ~4 times, each split >= 4 tiles.
+    From shapes only, so a CUDA graph captured at one shape replays at it."""
+    wanted = triton.cdiv(4 * _sm_count(device), max(rows * kv_heads, 1))
+    most = max(1, max_len // (4 * block_n))
+    return int(max(1, min(wanted, most, 64)))
+
+
+def _words_ok(kv_cache: torch.Tensor) -> bool:
+    """The word kernel reads 32-bit words: it needs byte-contiguous slots and a 4-byte-aligned base."""
+    return kv_cache.dtype == torch.uint8 and kv_cache.stride(3) == 1 and kv_cache.data_ptr() % 4 == 0
+
+
+def default_kernel(preset: Preset, programs: int, kv_cache: torch.Tensor, device: torch.device,
+                   centroid_gather: bool = False) -> str:
+    """The kernel measured faster on the H200 (bench/results/h200-kernels-notes.md): the word kernel for
+    4-bit Lloyd-Max keys and for 3-bit values when (row, kv head) programs fill the GPU twice over; the byte
+    kernel otherwise (fp8 keys, 3-bit keys with 4-bit values, small batches). Under the interpreter (tests)
+    the word kernel wherever the preset takes it, so both kernels stay covered."""
+    if centroid_gather or not _words_ok(kv_cache) or preset.key_fp8:
+        return "bytes"
+    if preset.key_bits != 4 and preset.value_bits != 3:
+        return "bytes"
+    if device.type == "cpu" or programs >= 2 * _sm_count(device):
+        return "words"
+    return "bytes"
+
+
+def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+                     seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float, preset: Preset,
+                     rotation: torch.Tensor, centroids: torch.Tensor, *, splits: int | None = None,
+                     block_n: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
+                     centroid_gather: bool = False, kernel: str | None = None, sym: bool = True) -> torch.Tensor:
+    """query [T, Hq, D] -> out [T, Hq, D] (query dtype); see the module docstring and ops.attention.
+    ``kernel``: "words" (default where the cache allows) or "bytes" (the first kernel)."""
+    rows, heads, dim = query.shape
+    kv_heads = kv_cache.shape[2]
+    group = heads // kv_heads
+    out = torch.empty_like(query)
+    if rows == 0:
+        return out
+    interpret = query.device.type == "cpu"
+    if kernel is None:
+        kernel = default_kernel(preset, rows * kv_heads, kv_cache, query.device, centroid_gather)
+    if block_n is None:
+        block_n = 16 if interpret else (64 if kernel == "words" else 32)
+    if num_stages is None and kernel == "words" and preset.key_bits == 4:
+        num_stages = 3
+    max_len = block_table.shape[1] * kv_cache.shape[1]
+    if splits is None:
+        splits = num_splits(rows, kv_heads, max_len, query.device, block_n)
+    part_out = torch.empty(rows, heads, splits, dim, dtype=torch.float32, device=query.device)
+    part_lse = torch.empty(rows, heads, splits, dtype=torch.float32, device=query.device)
+    num_seqs = seq_lens.shape[0]
+    common = dict(GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), D=dim, BLOCK_SIZE=kv_cache.shape[1],
+                  BLOCK_N=block_n, NUM_SPLITS=splits, SEARCH_STEPS=max(1, math.ceil(math.log2(num_seqs + 1))),
+                  KEY_FP8=preset.key_fp8, KEY_BITS=preset.key_bits, KEY_CODE_BYTES=preset.key_code_bytes,
+                  NORM_CORRECTION=preset.norm_correction, VALUE_BITS=preset.value_bits,
+                  VALUE_OFFSET=preset.key_bytes, VALUE_CODE_BYTES=preset.value_code_bytes, DOT_FP32=interpret)
+    if kernel == "words":
+        # The query, rotated (Lloyd-Max keys), permuted to the key tile's column order and scaled once,
+        # log2(e) folded in for exp2: one small matmul (the permutation rides in the rotation matrix).
+        order = key_column_order(preset, dim).to(query.device)
+        if preset.key_fp8:
+            q = query.float()[..., order] * (scale * LOG2E)
+        else:
+            q = torch.matmul(query.float(), rotation[:, order] * (scale * LOG2E))
+        _decode_words_kernel[(rows, kv_heads, splits)](
+            q, kv_cache, block_table, seq_lens, query_start_loc, centroids, part_out, part_lse,
+            num_seqs, *q.stride(), *block_table.stride(), *kv_cache.stride()[:3],
+            SYM=sym, **common, num_warps=num_warps or 4, num_stages=num_stages or 2,
+        )
+    else:
+        # The query, rotated (Lloyd-Max keys) and scaled once; log2(e) folded in for exp2.
+        q = query if preset.key_fp8 else torch.matmul(query.float(), rotation)
+        _decode_split_kernel[(rows, kv_heads, splits)](
+            q, kv_cache, block_table, seq_lens, query_start_loc, centroids, part_out, part_lse,
+            num_seqs, scale * LOG2E,
+            *q.stride(), *block_table.stride(), *kv_cache.stride(),
+            GATHER=centroid_gather, **common, num_warps=num_warps or 4, num_stages=num_stages or 2,
+        )
+    _merge_kernel[(rows, heads)](
+        part_out, part_lse, out, *out.stride(),
+        NUM_HEADS=heads, D=dim, NUM_SPLITS=splits, SPLITS_P2=triton.next_power_of_2(splits),
+    )
+    return out

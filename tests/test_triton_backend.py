@@ -1,0 +1,208 @@
+"""The Triton memory backend agrees with the reference, run on the CPU by Triton's interpreter.
+
+The kernels are defined under ``TRITON_INTERPRET=1`` (set by a module fixture before their modules are
+imported, and restored afterwards so other test modules keep their backend selection). Shapes are small:
+the interpreter runs every program in Python.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+
+import pytest
+import torch
+
+import tqkv_compile
+from tqkv_compile.backends import get_backend, use_backend
+from tqkv_compile.codec import get_preset, preset_names
+
+pytestmark = pytest.mark.interpret
+triton = pytest.importorskip("triton")
+
+_KERNEL_MODULES = [
+    "tqkv_compile.lowerings.triton_kv_dot",
+    "tqkv_compile.lowerings.triton_attention",
+    "tqkv_compile.lowerings.triton_kv_write",
+]
+PRESETS = preset_names()
+HEAD_DIMS = (64, 128, 256)
+BLOCK = 16
+KV_HEADS = 2
+
+
+@pytest.fixture(scope="module", autouse=True)
+def interpreter():
+    """Define the kernels under the interpreter; restore the environment afterwards."""
+    previous = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    for name in _KERNEL_MODULES:  # a module imported earlier without the interpreter is defined again
+        sys.modules.pop(name, None)
+    for name in reversed(_KERNEL_MODULES):
+        importlib.import_module(name)
+    yield
+    if previous is None:
+        os.environ.pop("TRITON_INTERPRET", None)
+    else:
+        os.environ["TRITON_INTERPRET"] = previous
+
+
+def _strided_cache(preset, num_blocks: int, fill: int | None = None, pad: int = 0) -> torch.Tensor:
+    """A cache view [NB, BS, Hk, S] over vLLM's CPU layout [NB, Hk, BS, 2D + pad] (not contiguous)."""
+    dim = preset.head_dim
+    if fill is None:
+        base = torch.randint(0, 256, (num_blocks, KV_HEADS, BLOCK, 2 * dim + pad), dtype=torch.uint8)
+    else:
+        base = torch.full((num_blocks, KV_HEADS, BLOCK, 2 * dim + pad), fill, dtype=torch.uint8)
+    view = base.permute(0, 2, 1, 3)[..., : preset.slot_bytes]
+    assert not view.is_contiguous()
+    return view
+
+
+def _filled_cache(preset, lengths: list[int], seed: int, pad: int = 0):
+    """A strided cache holding `lengths` tokens per sequence, written by the reference; its block table."""
+    gen = torch.Generator().manual_seed(seed)
+    width = max(-(-n // BLOCK) for n in lengths) + 1
+    num_blocks = len(lengths) * width + 3
+    cache = _strided_cache(preset, num_blocks, fill=0, pad=pad)
+    table = torch.randperm(num_blocks, generator=gen)[: len(lengths) * width].view(len(lengths), width)
+    table = table.to(torch.int32)
+    for b, n in enumerate(lengths):
+        pos = torch.arange(n)
+        slots = table[b, pos // BLOCK].long() * BLOCK + pos % BLOCK
+        key = torch.randn(n, KV_HEADS, preset.head_dim, generator=gen) * 2
+        value = torch.randn(n, KV_HEADS, preset.head_dim, generator=gen)
+        get_backend("reference").kv_write(key, value, cache, slots, preset)
+    return cache, table, torch.tensor(lengths, dtype=torch.int32)
+
+
+def _tolerance(dtype: torch.dtype) -> dict:
+    return {torch.bfloat16: dict(atol=2e-2, rtol=1e-2), torch.float16: dict(atol=3e-3, rtol=2e-3)}[dtype]
+
+
+def _attention_both(preset, group, dtype, new_tokens, lengths, seed, pad=0, **kernel_args):
+    cache, table, seq_lens = _filled_cache(preset, lengths, seed, pad=pad)
+    starts = torch.tensor([0, *torch.tensor(new_tokens).cumsum(0).tolist()], dtype=torch.int32)
+    query = torch.randn(int(starts[-1]), KV_HEADS * group, preset.head_dim,
+                        generator=torch.Generator().manual_seed(seed + 1)).to(dtype)
+    scale = preset.head_dim**-0.5
+    if kernel_args:
+        from tqkv_compile.lowerings.triton_attention import decode_attention
+
+        rotation, centroids, _ = get_backend("triton").tables(preset, query.device)
+        out = decode_attention(query, cache, table, seq_lens, starts, scale, preset, rotation, centroids,
+                               **kernel_args)
+    else:
+        out = get_backend("triton").attention(query, cache, table, seq_lens, starts, scale, preset)
+    expected = get_backend("reference").attention(query, cache, table, seq_lens, starts, scale, preset)
+    return out, expected
+
+
+@pytest.mark.parametrize("dim", HEAD_DIMS)
+@pytest.mark.parametrize("preset_name", PRESETS)
+def test_kv_write_bytes_equal_the_codec(preset_name, dim):
+    preset = get_preset(preset_name, dim)
+    gen = torch.Generator().manual_seed(dim)
+    tokens = 37
+    dtype = (torch.bfloat16, torch.float16, torch.float32)[HEAD_DIMS.index(dim)]
+    key = (torch.randn(tokens, KV_HEADS, dim, generator=gen) * 3).to(dtype)
+    key[5] *= 300  # beyond fp8's 448: saturates
+    value = torch.randn(tokens, KV_HEADS, dim, generator=gen).to(dtype)
+    value[7] = 0.5  # a constant vector: the minimum scale
+    slots = torch.randperm(12 * BLOCK, generator=gen)[:tokens]
+    slots[[3, 20]] = -1  # skipped
+    cache = _strided_cache(preset, 12)
+    expected = cache.clone()
+    get_backend("reference").kv_write(key, value, expected, slots, preset)
+    get_backend("triton").kv_write(key, value, cache, slots, preset)
+    differing = int((cache != expected).sum())
+    # only a code whose input sits within float rounding of a midpoint may differ
+    assert differing <= 2, f"{differing} of {tokens * KV_HEADS * preset.slot_bytes} bytes differ"
+
+
+@pytest.mark.parametrize("dim", HEAD_DIMS)
+@pytest.mark.parametrize("preset_name", PRESETS)
+def test_decode_attention_matches_reference(preset_name, dim):
+    preset = get_preset(preset_name, dim)
+    index = PRESETS.index(preset_name) + HEAD_DIMS.index(dim)
+    group = (1, 3, 4)[index % 3]
+    dtype = (torch.bfloat16, torch.float16)[index % 2]
+    out, expected = _attention_both(preset, group, dtype, [1, 1, 1], [5, 40, 70], seed=index)
+    assert out.dtype == dtype and out.shape == expected.shape
+    torch.testing.assert_close(out.float(), expected.float(), **_tolerance(dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("group", [1, 3, 4])
+def test_attention_serves_every_gqa_group_size(group, dtype):
+    preset = get_preset("turboquant_4bit_nc", 64)
+    out, expected = _attention_both(preset, group, dtype, [1, 1], [33, 17], seed=group)
+    torch.testing.assert_close(out.float(), expected.float(), **_tolerance(dtype))
+
+
+@pytest.mark.parametrize("preset_name", PRESETS)
+def test_mixed_batch_attends_causally_within_new_tokens(preset_name):
+    dim = (64, 128, 64, 128)[PRESETS.index(preset_name)]
+    preset = get_preset(preset_name, dim)
+    out, expected = _attention_both(preset, 3, torch.float16, [3, 1, 5, 2], [3, 40, 21, 50], seed=7)
+    torch.testing.assert_close(out.float(), expected.float(), **_tolerance(torch.float16))
+
+
+@pytest.mark.parametrize("preset_name", PRESETS)
+@pytest.mark.parametrize("kernel", ["words", "bytes"])
+def test_both_kernels_read_unaligned_slots(preset_name, kernel):
+    """Token rows 2 mod 4 bytes apart: the word kernel funnel-shifts every field; the byte kernel is the
+    fallback for caches the word kernel cannot read."""
+    preset = get_preset(preset_name, 64)
+    out, expected = _attention_both(preset, 4, torch.float16, [1, 2], [37, 50], seed=5, pad=6, kernel=kernel,
+                                    block_n=32)
+    torch.testing.assert_close(out.float(), expected.float(), **_tolerance(torch.float16))
+
+
+def test_split_kv_merge_handles_empty_splits():
+    preset = get_preset("turboquant_k3v4_nc", 64)
+    # 7 splits over lengths 2 and 90: most of the short sequence's splits are empty
+    out, expected = _attention_both(preset, 4, torch.float16, [1, 1], [2, 90], seed=3, splits=7)
+    torch.testing.assert_close(out.float(), expected.float(), **_tolerance(torch.float16))
+
+
+@pytest.mark.parametrize("dim", HEAD_DIMS)
+@pytest.mark.parametrize("preset_name", PRESETS)
+def test_kv_dot_logits_match_reference(preset_name, dim):
+    preset = get_preset(preset_name, dim)
+    group = (1, 3, 4)[HEAD_DIMS.index(dim)]
+    cache, table, seq_lens = _filled_cache(preset, [1, 30, 45], seed=dim)
+    query = torch.randn(3, KV_HEADS * group, dim, generator=torch.Generator().manual_seed(5))
+    logits = get_backend("triton").kv_dot(query, cache, table, seq_lens, 0.1, preset)
+    expected = get_backend("reference").kv_dot(query, cache, table, seq_lens, 0.1, preset)
+    assert torch.equal(torch.isinf(logits), torch.isinf(expected))
+    finite = torch.isfinite(expected)
+    torch.testing.assert_close(logits[finite], expected[finite], atol=1e-4, rtol=1e-5)
+
+
+def test_triton_backend_serves_cpu_under_the_interpreter_when_asked():
+    assert get_backend("triton").supports(torch.device("cpu"))
+    with use_backend("triton"):
+        assert tqkv_compile.select_backend(torch.device("cpu")).name == "triton"
+
+
+def test_ops_dispatch_to_the_triton_backend():
+    preset = get_preset("turboquant_4bit_nc", 64)
+    gen = torch.Generator().manual_seed(11)
+    key = torch.randn(20, KV_HEADS, 64, generator=gen, dtype=torch.float32).to(torch.bfloat16)
+    value = torch.randn(20, KV_HEADS, 64, generator=gen).to(torch.bfloat16)
+    cache = _strided_cache(preset, 4, fill=0)
+    expected = cache.clone()
+    table = torch.tensor([[2, 0]], dtype=torch.int32)
+    slots = torch.cat([torch.arange(16) + 2 * BLOCK, torch.arange(4)])
+    with use_backend("triton"):
+        torch.ops.tqkv.kv_write(key, value, cache, slots, preset.name)
+        query = torch.randn(1, KV_HEADS * 2, 64, generator=gen).to(torch.bfloat16)
+        out = torch.ops.tqkv.attention(query, cache, table, torch.tensor([20], dtype=torch.int32),
+                                       torch.tensor([0, 1], dtype=torch.int32), 0.125, preset.name)
+    get_backend("reference").kv_write(key, value, expected, slots, preset)
+    assert torch.equal(cache, expected)
+    ref = get_backend("reference").attention(query, expected, table, torch.tensor([20], dtype=torch.int32),
+                                             torch.tensor([0, 1], dtype=torch.int32), 0.125, preset)
+    torch.testing.assert_close(out.float(), ref.float(), **_tolerance(torch.bfloat16))
