@@ -34,38 +34,49 @@ class ReferenceBackend:
         encoded = preset.encode(key[keep], value[keep]).to(kv_cache.device)
         kv_cache[slots // block_size, slots % block_size] = encoded
 
-    def _keys_values(self, kv_cache, block_row, length, preset: Preset, group: int):
-        keys, values = preset.decode(gather_slots(kv_cache, block_row, length))
-        return keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)  # [L, Hq, D]
+    @staticmethod
+    def _rotated(query: torch.Tensor, preset: Preset) -> torch.Tensor:
+        """fp32 query in the basis the keys are stored in: q @ H (H symmetric), so <q, k_hat> = <q @ H, k_rot>
+        and no key is rotated back (the fp8 preset stores keys unrotated)."""
+        q = query.float()
+        return q if preset.key_fp8 else q @ preset.rotation(q.device)
+
+    @staticmethod
+    def _keys_values(kv_cache, block_row, length, preset: Preset):
+        """Keys in the stored basis (times their norms) and values, fp32 [L, Hk, D]."""
+        slots = gather_slots(kv_cache, block_row, length)
+        unit, norm = preset.decode_keys_rotated(slots)
+        return unit * norm[..., None], preset.decode_values(slots)
 
     def attention(self, query, kv_cache, block_table, seq_lens, query_start_loc, scale, preset: Preset):
         out = torch.zeros_like(query)
-        group = query.shape[1] // kv_cache.shape[2]
+        kv_heads = kv_cache.shape[2]
+        group = query.shape[1] // kv_heads
         starts = query_start_loc.tolist()
-        lengths = seq_lens.tolist()
-        for b, length in enumerate(lengths):
+        for b, length in enumerate(seq_lens.tolist()):
             start, end = starts[b], starts[b + 1]
             new = end - start
             if new <= 0:
                 continue
-            keys, values = self._keys_values(kv_cache, block_table[b], length, preset, group)
-            q = query[start:end].float()
-            scores = torch.einsum("nhd,lhd->hnl", q, keys) * scale
+            keys, values = self._keys_values(kv_cache, block_table[b], length, preset)
+            q = self._rotated(query[start:end], preset).view(new, kv_heads, group, -1)
+            scores = torch.einsum("nkgd,lkd->kgnl", q, keys) * scale
             query_pos = torch.arange(length - new, length, device=q.device)
             future = torch.arange(length, device=q.device)[None, :] > query_pos[:, None]
-            scores = scores.masked_fill(future[None], float("-inf"))
-            probs = torch.softmax(scores, dim=-1)
-            out[start:end] = torch.einsum("hnl,lhd->nhd", probs, values).to(query.dtype)
+            probs = torch.softmax(scores.masked_fill(future, float("-inf")), dim=-1)
+            o = torch.einsum("kgnl,lkd->nkgd", probs, values)
+            out[start:end] = o.reshape(new, kv_heads * group, -1).to(query.dtype)
         return out
 
     def kv_dot(self, query, kv_cache, block_table, seq_lens, scale, preset: Preset):
         batch, heads, _ = query.shape
+        kv_heads = kv_cache.shape[2]
         width = block_table.shape[1] * kv_cache.shape[1]
         logits = torch.full((batch, heads, width), float("-inf"), dtype=torch.float32, device=query.device)
-        group = heads // kv_cache.shape[2]
         for b, length in enumerate(seq_lens.tolist()):
             if length <= 0:
                 continue
-            keys, _ = self._keys_values(kv_cache, block_table[b], length, preset, group)
-            logits[b, :, :length] = torch.einsum("hd,lhd->hl", query[b].float(), keys) * scale
+            keys, _ = self._keys_values(kv_cache, block_table[b], length, preset)
+            q = self._rotated(query[b], preset).view(kv_heads, heads // kv_heads, -1)
+            logits[b, :, :length] = torch.einsum("kgd,lkd->kgl", q, keys).reshape(heads, length) * scale
         return logits
