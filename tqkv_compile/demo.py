@@ -206,7 +206,11 @@ def inspect(args: argparse.Namespace) -> int:
             continue
         for tag, text in (("before", before), ("after", after)):
             print(f"===== graph {tag} the tqkv pass =====")
-            print(text if args.full else "\n\n".join(attention_blocks(text)))
+            if args.full:
+                print(text)
+                continue
+            for index, block in enumerate(attention_blocks(text)):
+                print(f"# attention block {index} (graph order)\n{block}\n")
     print(f"===== rewritten: {len(result['pass']['rewritten'])} of {result['pass']['attention_nodes']} attention "
           f"layers; fallbacks: {json.dumps(result['pass']['fallbacks'])}")
     return 0
