@@ -10,6 +10,22 @@ A slot is ``[key part | value part | pad to even]``:
 - value: per-vector asymmetric uniform codes ``q = trunc((v - min) / scale + 0.5)`` with
   ``scale = max((max - min) / (2^b - 1), 1e-8)``, packed like the key codes, then scale and min as fp16.
 
+Presets of our own (``OWN_PRESETS``, names not starting with ``turboquant_``) reuse these pieces with three
+options whose defaults are vLLM's behaviour:
+
+- ``value_format="lloyd_max"``: values coded exactly like Lloyd-Max keys (rotated unit vector, centroid codes,
+  fp16 norm, norm correction): 2 bytes of metadata instead of 4, and the rotation spreads outlier channels.
+- ``key_outliers=n``: the n largest-magnitude channels of each key are stored apart after the norm (n uint8
+  channel indices, then n fp8 e4m3 values) and zeroed before the rotation, so the Lloyd-Max codes and the norm
+  describe the rest: real keys carry most of their energy in one or two channels (measured: 30-50%).
+- ``key_extra_bits`` / ``value_extra_bits``: that many leading rotated coordinates take one more bit (their
+  codes packed first, at b+1 bits, then the rest at b bits): fractional widths such as 3.5 bits. After the
+  rotation all coordinates have the same distribution, so which ones get the bit does not matter.
+
+Each own preset names the vLLM preset it rides on (``rides_on``): its slot is no larger than that preset's at
+every supported head size, so the cache vLLM allocates for that preset holds it (the slot's unused tail is
+never read or written).
+
 ``decode`` returns fp32 K/V in the original basis, so ``query @ key_hat.T`` is the logit the kernels compute.
 """
 
@@ -31,12 +47,21 @@ INPUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 @dataclass(frozen=True)
 class PresetSpec:
-    """What a preset stores: key bits (8 = fp8 keys), value bits, and whether keys are norm-corrected."""
+    """What a preset stores: key bits (8 = fp8 keys), value bits, and whether keys are norm-corrected.
+
+    The fields after ``vllm_name`` default to vLLM's behaviour; presets of ours set them (module docstring).
+    ``*_extra_bits`` is the fraction of a vector's coordinates that take one more bit (a multiple of 1/8).
+    """
 
     key_bits: int
     value_bits: int
     norm_correction: bool
     vllm_name: str | None  # the vLLM cache dtype whose bytes this preset writes; None for presets of ours
+    value_format: str = "uniform"  # "uniform" (vLLM's min/scale codes) or "lloyd_max" (coded like the keys)
+    key_extra_bits: float = 0.0
+    value_extra_bits: float = 0.0
+    key_outliers: int = 0  # Lloyd-Max keys: this many largest-magnitude channels stored apart (index + fp8)
+    rides_on: str | None = None  # presets of ours: the vLLM preset whose slot (and allocation) holds this one
 
 
 PRESETS: dict[str, PresetSpec] = {
@@ -44,6 +69,17 @@ PRESETS: dict[str, PresetSpec] = {
     "turboquant_4bit_nc": PresetSpec(4, 4, True, "turboquant_4bit_nc"),
     "turboquant_k3v4_nc": PresetSpec(3, 4, True, "turboquant_k3v4_nc"),
     "turboquant_3bit_nc": PresetSpec(3, 3, True, "turboquant_3bit_nc"),
+}
+
+# Presets of ours: better quality per bit (bench/results/quality-notes.md); sizes at head 64.
+OWN_PRESETS: dict[str, PresetSpec] = {
+    # 3.5 bits: keys 4-bit Lloyd-Max plus their largest channel apart, values 2.25-bit Lloyd-Max (rotated);
+    # 56 B in k3v4_nc's 62 B (106 / 206 B in 118 / 230 B at head 128 / 256).
+    "tqkv_k4o1v225": PresetSpec(4, 2, True, None, value_format="lloyd_max", value_extra_bits=0.25, key_outliers=1,
+                                rides_on="turboquant_k3v4_nc"),
+    # 4.25 bits: keys 5-bit Lloyd-Max, values 3-bit Lloyd-Max (rotated); 68 B in 4bit_nc's 70 B
+    # (132 / 260 B in 134 / 262 B at head 128 / 256).
+    "tqkv_k5v3": PresetSpec(5, 3, True, None, value_format="lloyd_max", rides_on="turboquant_4bit_nc"),
 }
 
 
@@ -103,21 +139,40 @@ class Preset:
         return self.spec.norm_correction
 
     @property
+    def value_lloyd_max(self) -> bool:
+        return self.spec.value_format == "lloyd_max"
+
+    @property
+    def key_wide_coords(self) -> int:
+        """Leading rotated key coordinates stored with key_bits + 1 bits."""
+        return _wide_coords(self.head_dim, self.spec.key_extra_bits)
+
+    @property
+    def value_wide_coords(self) -> int:
+        return _wide_coords(self.head_dim, self.spec.value_extra_bits)
+
+    @property
     def key_code_bytes(self) -> int:
         """Bytes of packed key codes (fp8: one byte per coordinate)."""
-        return self.head_dim if self.key_fp8 else math.ceil(self.head_dim * self.key_bits / 8)
+        if self.key_fp8:
+            return self.head_dim
+        return math.ceil((self.head_dim * self.key_bits + self.key_wide_coords) / 8)
+
+    @property
+    def key_outliers(self) -> int:
+        return self.spec.key_outliers
 
     @property
     def key_bytes(self) -> int:
-        return self.key_code_bytes + (0 if self.key_fp8 else 2)
+        return self.key_code_bytes + (0 if self.key_fp8 else 2 + 2 * self.key_outliers)
 
     @property
     def value_code_bytes(self) -> int:
-        return math.ceil(self.head_dim * self.value_bits / 8)
+        return math.ceil((self.head_dim * self.value_bits + self.value_wide_coords) / 8)
 
     @property
     def value_bytes(self) -> int:
-        return self.value_code_bytes + 4
+        return self.value_code_bytes + (2 if self.value_lloyd_max else 4)
 
     @property
     def slot_bytes(self) -> int:
@@ -131,7 +186,8 @@ class Preset:
 
     # -- tables --------------------------------------------------------------------------------
     def centroids(self, device: torch.device | str = "cpu") -> torch.Tensor:
-        """fp32 [2^key_bits] Lloyd-Max centroids (empty for fp8 keys)."""
+        """fp32 [2^key_bits] Lloyd-Max centroids (empty for fp8 keys); the wide coordinates use
+        ``lloyd_max.centroids(head_dim, key_bits + 1)``."""
         if self.key_fp8:
             return torch.empty(0, device=device)
         return lloyd_max.centroids(self.head_dim, self.key_bits).to(device)
@@ -158,18 +214,79 @@ class Preset:
     def _encode_keys(self, k: torch.Tensor) -> torch.Tensor:
         if self.key_fp8:
             return k.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
-        norms = k.norm(dim=1, keepdim=True)
-        rotated = (k / (norms + 1e-8)) @ self.rotation(k.device)
-        codes = torch.bucketize(rotated, self.midpoints(k.device), right=True)
-        return torch.cat([pack_codes(codes, self.key_bits), _fp16_bytes(norms)], dim=1)
+        if not self.key_outliers:
+            return self._encode_lloyd_max(k, self.key_bits, self.key_wide_coords)
+        rest, index, outliers = self._split_outliers(k)
+        codes = self._encode_lloyd_max(rest, self.key_bits, self.key_wide_coords)
+        return torch.cat([codes, index.to(torch.uint8), outliers.view(torch.uint8)], dim=1)
+
+    def _split_outliers(self, k: torch.Tensor):
+        """fp32 [N, D] -> (k with its key_outliers largest-magnitude channels zeroed, their int64 indices
+        [N, n], their values as fp8 e4m3 [N, n])."""
+        index = k.abs().topk(self.key_outliers, dim=1).indices
+        outliers = k.gather(1, index).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+        return k.scatter(1, index, 0.0), index, outliers
+
+    def _encode_lloyd_max(self, x: torch.Tensor, bits: int, wide: int) -> torch.Tensor:
+        """fp32 [N, D] -> uint8 [N, codes + 2]: centroid codes of the rotated unit vector, then ||x|| as fp16."""
+        norms = x.norm(dim=1, keepdim=True)
+        rotated = (x / (norms + 1e-8)) @ self.rotation(x.device)
+        narrow = torch.bucketize(rotated[:, wide:].contiguous(), lloyd_max.midpoints(self.head_dim, bits).to(x.device), right=True)
+        parts = [pack_codes(narrow, bits), _fp16_bytes(norms)]
+        if wide:
+            midpoints = lloyd_max.midpoints(self.head_dim, bits + 1).to(x.device)
+            parts.insert(0, pack_codes(torch.bucketize(rotated[:, :wide].contiguous(), midpoints, right=True), bits + 1))
+        return torch.cat(parts, dim=1)
 
     def _encode_values(self, v: torch.Tensor) -> torch.Tensor:
+        if self.value_lloyd_max:
+            return self._encode_lloyd_max(v, self.value_bits, self.value_wide_coords)
         top = (1 << self.value_bits) - 1
         low = v.amin(dim=1, keepdim=True)
         scale = (v.amax(dim=1, keepdim=True) - low) / float(top)
         scale = torch.where(scale > 1e-8, scale, torch.full_like(scale, 1e-8))
         codes = ((v - low) / scale + 0.5).to(torch.int32).clamp(0, top)
         return torch.cat([pack_codes(codes, self.value_bits), _fp16_bytes(scale), _fp16_bytes(low)], dim=1)
+
+    # -- both at once ---------------------------------------------------------------------------
+    def round_trip(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``decode(encode(key, value))`` without packing the codes: the same fp32 [T, Hk, D] K/V (up to
+        float rounding of the matmuls), several times faster; for quality runs over many tokens."""
+        self.check_key_value(key, value)
+        tokens, heads, dim = key.shape
+        k = key.float().reshape(-1, dim)
+        v = value.float().reshape(-1, dim)
+        if self.key_fp8:
+            key_hat = k.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float()
+        else:
+            rest, index, outliers = self._split_outliers(k) if self.key_outliers else (k, None, None)
+            key_hat = self._lloyd_max_round_trip(rest, self.key_bits, self.key_wide_coords, self.norm_correction)
+            if self.key_outliers:
+                key_hat = key_hat.scatter(1, index, outliers.float())
+        if self.value_lloyd_max:
+            value_hat = self._lloyd_max_round_trip(v, self.value_bits, self.value_wide_coords, True)
+        else:
+            top = (1 << self.value_bits) - 1
+            low = v.amin(dim=1, keepdim=True)
+            scale = (v.amax(dim=1, keepdim=True) - low) / float(top)
+            scale = torch.where(scale > 1e-8, scale, torch.full_like(scale, 1e-8))
+            codes = ((v - low) / scale + 0.5).to(torch.int32).clamp(0, top)
+            value_hat = codes.float() * scale.half().float() + low.half().float()
+        return key_hat.reshape(tokens, heads, dim), value_hat.reshape(tokens, heads, dim)
+
+    def _lloyd_max_round_trip(self, x: torch.Tensor, bits: int, wide: int, norm_correction: bool) -> torch.Tensor:
+        dim = self.head_dim
+        norms = x.norm(dim=1, keepdim=True)
+        rotated = (x / (norms + 1e-8)) @ self.rotation(x.device)
+        table = lloyd_max.centroids(dim, bits).to(x.device)
+        unit = table[torch.bucketize(rotated[:, wide:].contiguous(), lloyd_max.midpoints(dim, bits).to(x.device), right=True)]
+        if wide:
+            wide_table = lloyd_max.centroids(dim, bits + 1).to(x.device)
+            wide_mid = lloyd_max.midpoints(dim, bits + 1).to(x.device)
+            unit = torch.cat([wide_table[torch.bucketize(rotated[:, :wide].contiguous(), wide_mid, right=True)], unit], 1)
+        if norm_correction:
+            unit = unit / torch.sqrt((unit * unit).sum(-1, keepdim=True) + 1e-16)
+        return (unit @ self.rotation(x.device)) * norms.half().float()
 
     # -- decode --------------------------------------------------------------------------------
     def decode(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -179,25 +296,59 @@ class Preset:
                 f"slots: expected uint8 [..., {self.slot_bytes}] for {self.name} at head_dim {self.head_dim}, "
                 f"got {slots.dtype} {tuple(slots.shape)}"
             )
-        key_rot, key_norm = self.decode_keys_rotated(slots)
-        key_hat = key_rot if self.key_fp8 else (key_rot @ self.rotation(slots.device)) * key_norm[..., None]
-        return key_hat, self.decode_values(slots)
+        return self.decode_keys(slots), self.decode_values(slots)
+
+    def decode_keys(self, slots: torch.Tensor) -> torch.Tensor:
+        """uint8 [..., slot_bytes] -> fp32 [..., D] keys in the original basis."""
+        if self.key_fp8 or not self.key_outliers:
+            key_rot, key_norm = self.decode_keys_rotated(slots)
+            return key_rot if self.key_fp8 else (key_rot @ self.rotation(slots.device)) * key_norm[..., None]
+        unit, norm = self._decode_lloyd_max(slots, 0, self.key_bits, self.key_wide_coords, self.norm_correction)
+        index, outliers = self.decode_key_outliers(slots)
+        return ((unit @ self.rotation(slots.device)) * norm[..., None]).scatter(-1, index, outliers)
+
+    def decode_key_outliers(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(int64 channel indices, fp32 values), both [..., key_outliers]: they replace those channels of
+        the rest's reconstruction ``norm * (unit @ H)``."""
+        at = self.key_code_bytes + 2
+        n = self.key_outliers
+        index = slots[..., at : at + n].to(torch.int64)
+        outliers = slots[..., at + n : at + 2 * n].contiguous().view(torch.float8_e4m3fn).float()
+        return index, outliers
 
     def decode_keys_rotated(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys as the kernels see them: (unit vectors in the rotated basis, norms) for Lloyd-Max presets;
-        (fp32 keys, ones) for fp8 keys. A logit is ``norm * <q @ H, unit>`` (fp8: ``<q, key>``)."""
+        (fp32 keys, ones) for fp8 keys. A logit is ``norm * <q @ H, unit>`` (fp8: ``<q, key>``). Presets with
+        key outliers: (whole key @ H, ones), the outliers put back in the original basis first."""
         dim = self.head_dim
         if self.key_fp8:
             keys = slots[..., :dim].contiguous().view(torch.float8_e4m3fn).float()
             return keys, torch.ones(keys.shape[:-1], device=slots.device)
-        codes = unpack_codes(slots[..., : self.key_code_bytes], self.key_bits, dim)
-        unit = self.centroids(slots.device)[codes]
-        if self.norm_correction:
+        if self.key_outliers:
+            keys = self.decode_keys(slots) @ self.rotation(slots.device)
+            return keys, torch.ones(keys.shape[:-1], device=slots.device)
+        return self._decode_lloyd_max(slots, 0, self.key_bits, self.key_wide_coords, self.norm_correction)
+
+    def _decode_lloyd_max(self, slots: torch.Tensor, start: int, bits: int, wide: int, norm_correction: bool):
+        """The part at byte ``start``: (unit vector in the rotated basis, fp32 [...]), see _encode_lloyd_max."""
+        dim = self.head_dim
+        wide_bytes = wide * (bits + 1) // 8
+        narrow_bytes = (dim - wide) * bits // 8
+        at = start + wide_bytes
+        unit = lloyd_max.centroids(dim, bits).to(slots.device)[unpack_codes(slots[..., at : at + narrow_bytes], bits, dim - wide)]
+        if wide:
+            table = lloyd_max.centroids(dim, bits + 1).to(slots.device)
+            unit = torch.cat([table[unpack_codes(slots[..., start:at], bits + 1, wide)], unit], dim=-1)
+        if norm_correction:
             unit = unit / torch.sqrt((unit * unit).sum(-1, keepdim=True) + 1e-16)
-        return unit, _read_fp16(slots, self.key_code_bytes)
+        return unit, _read_fp16(slots, at + narrow_bytes)
 
     def decode_values(self, slots: torch.Tensor) -> torch.Tensor:
+        """uint8 [..., slot_bytes] -> fp32 [..., D] values in the original basis."""
         start = self.key_bytes
+        if self.value_lloyd_max:
+            unit, norm = self._decode_lloyd_max(slots, start, self.value_bits, self.value_wide_coords, True)
+            return (unit @ self.rotation(slots.device)) * norm[..., None]
         codes = unpack_codes(slots[..., start : start + self.value_code_bytes], self.value_bits, self.head_dim)
         scale = _read_fp16(slots, start + self.value_code_bytes)
         low = _read_fp16(slots, start + self.value_code_bytes + 2)
@@ -218,17 +369,31 @@ class Preset:
             raise ValueError(f"key and value: shapes differ, {tuple(key.shape)} vs {tuple(value.shape)}")
 
 
+def _wide_coords(head_dim: int, fraction: float) -> int:
+    wide = round(head_dim * fraction)
+    if wide % 8 or not 0 <= wide <= head_dim:
+        raise ValueError(f"extra bits: {fraction} of {head_dim} coordinates is not a multiple of 8 coordinates")
+    return wide
+
+
 def preset_names() -> list[str]:
+    """vLLM's presets (the cache dtypes vLLM knows); presets of ours: :func:`own_preset_names`."""
     return list(PRESETS)
+
+
+def own_preset_names() -> list[str]:
+    return list(OWN_PRESETS)
 
 
 @lru_cache(maxsize=None)
 def get_preset(name: str, head_dim: int) -> Preset:
-    """The preset ``name`` at ``head_dim``; ValueError names the valid choices."""
-    if name not in PRESETS:
-        raise ValueError(f"preset: unknown TurboQuant preset {name!r}; valid presets: {', '.join(PRESETS)}")
+    """The preset ``name`` (vLLM's or ours) at ``head_dim``; ValueError names the valid choices."""
+    spec = PRESETS.get(name) or OWN_PRESETS.get(name)
+    if spec is None:
+        valid = ", ".join([*PRESETS, *OWN_PRESETS])
+        raise ValueError(f"preset: unknown TurboQuant preset {name!r}; valid presets: {valid}")
     if head_dim not in SUPPORTED_HEAD_DIMS:
         raise ValueError(
             f"head_dim: {head_dim} is not supported; supported head sizes: {', '.join(map(str, SUPPORTED_HEAD_DIMS))}"
         )
-    return Preset(name, head_dim, PRESETS[name])
+    return Preset(name, head_dim, spec)
