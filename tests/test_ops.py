@@ -157,3 +157,26 @@ def test_third_party_backend_can_be_registered_selected_and_validated(monkeypatc
     assert report.max_abs_diff == pytest.approx(float((reference * 0.5).abs().max()), rel=1e-5)
     with pytest.raises(ValueError, match="backend"):
         tqkv_compile.set_backend("no_such_backend")
+
+
+def test_a_backend_is_never_chosen_for_a_preset_it_cannot_serve():
+    """The Triton kernels know vLLM's four presets only: presets of ours go to a backend that knows them."""
+    own = get_preset(tqkv_compile.codec.own_preset_names()[0], 64)
+    vllm_preset = get_preset("turboquant_4bit_nc", 64)
+    with tqkv_compile.use_backend("triton"):
+        assert tqkv_compile.select_backend(torch.device("cpu"), vllm_preset).name == "triton"
+        with pytest.raises(ValueError, match="does not support preset"):
+            tqkv_compile.select_backend(torch.device("cpu"), own)
+
+    class EveryDeviceTritonLike(tqkv_compile.backends.reference.ReferenceBackend):
+        name = "vllm_presets_only_test_backend"
+
+        def supports_preset(self, preset):
+            return preset.spec.vllm_name is not None
+
+    tqkv_compile.register_backend(EveryDeviceTritonLike(), priority=50)
+    try:
+        assert tqkv_compile.select_backend(torch.device("cpu"), vllm_preset).name == "vllm_presets_only_test_backend"
+        assert tqkv_compile.select_backend(torch.device("cpu"), own).name == "reference"
+    finally:
+        tqkv_compile.backends._registry.pop("vllm_presets_only_test_backend")

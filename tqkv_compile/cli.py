@@ -18,6 +18,10 @@ def main(argv: list[str] | None = None) -> int:
     inspect.add_argument("--kv-cache-dtype", default="turboquant_4bit_nc")
     inspect.add_argument("--full", action="store_true", help="print the whole graphs, not the attention blocks")
 
+    from tqkv_compile import quality
+
+    quality.add_arguments(commands.add_parser(
+        "quality", help="perplexity of SmolLM2-135M on Jane Austen with K/V read through each preset"))
     bench = commands.add_parser("bench", help="benchmarks (GPU)")
     bench_kinds = bench.add_subparsers(dest="kind", required=True)
     bench_kinds.add_parser("kernels", help="per-layer kernel timings against FA3 and vLLM's TurboQuant", add_help=False)
@@ -27,6 +31,10 @@ def main(argv: list[str] | None = None) -> int:
         if rest:
             parser.error(f"unrecognized arguments: {' '.join(rest)}")
         return demo.run(args)
+    if args.command == "quality":
+        if rest:
+            parser.error(f"unrecognized arguments: {' '.join(rest)}")
+        return quality.run(args)
     if args.command == "inspect":
         if rest:
             parser.error(f"unrecognized arguments: {' '.join(rest)}")

@@ -135,7 +135,7 @@ def kv_write(
 ) -> None:
     """Quantize, pack and scatter key/value [T, Hk, D] into kv_cache u8 [NB, BS, Hk, S]; slot < 0 skips."""
     p = check_kv_write(key, value, kv_cache, slot_mapping, preset)
-    backend = backends.select_backend(kv_cache.device)
+    backend = backends.select_backend(kv_cache.device, p)
     if backends.validate_enabled() and backend.name != "reference":
         expected = kv_cache.clone()
         backends.get_backend("reference").kv_write(key, value, expected, slot_mapping, p)
@@ -162,7 +162,7 @@ def attention(
 ) -> torch.Tensor:
     """Causal attention of query [T, Hq, D] over the packed cache; out [T, Hq, D] in the query's dtype."""
     p = check_attention(query, kv_cache, block_table, seq_lens, query_start_loc, preset)
-    backend = backends.select_backend(query.device)
+    backend = backends.select_backend(query.device, p)
     out = backend.attention(query, kv_cache, block_table, seq_lens, query_start_loc, scale, p)
     if backends.validate_enabled() and backend.name != "reference":
         expected = backends.get_backend("reference").attention(
@@ -188,7 +188,7 @@ def kv_dot(
 ) -> torch.Tensor:
     """Logits scale * <q, k> f32 [B, Hq, M * BS] for one query per sequence; -inf at or past seq_lens[b]."""
     p = check_kv_dot(query, kv_cache, block_table, seq_lens, preset)
-    backend = backends.select_backend(query.device)
+    backend = backends.select_backend(query.device, p)
     out = backend.kv_dot(query, kv_cache, block_table, seq_lens, scale, p)
     if backends.validate_enabled() and backend.name != "reference":
         expected = backends.get_backend("reference").kv_dot(query, kv_cache, block_table, seq_lens, scale, p)

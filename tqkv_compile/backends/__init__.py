@@ -1,7 +1,7 @@
 """Memory backends behind the ``tqkv`` ops: a registry, the selection rule and the validate mode.
 
 A backend is any object with ``name``, ``supports(device) -> bool`` (optionally ``auto_selects(device)``
-where automatic selection should be narrower) and the three op methods
+where automatic selection should be narrower, and ``supports_preset(preset)``) and the three op methods
 ``kv_write``, ``attention`` and ``kv_dot`` (same arguments as the ops, the preset resolved to a
 :class:`tqkv_compile.codec.Preset`). Third parties register theirs with :func:`register_backend`.
 
@@ -88,17 +88,24 @@ def use_backend(name: str | None) -> Iterator[None]:
         _chosen = previous
 
 
-def select_backend(device: torch.device) -> MemoryBackend:
+def _supports_preset(backend: MemoryBackend, preset) -> bool:
+    return preset is None or getattr(backend, "supports_preset", lambda p: True)(preset)
+
+
+def select_backend(device: torch.device, preset=None) -> MemoryBackend:
+    """The backend for tensors on ``device`` (and, if given, able to serve ``preset``)."""
     name = _chosen or os.environ.get("TQKV_BACKEND") or None
     if name:
         backend = get_backend(name)
         if not backend.supports(device):
             raise ValueError(f"backend: {name!r} does not support device {device}")
+        if not _supports_preset(backend, preset):
+            raise ValueError(f"backend: {name!r} does not support preset {preset.name!r}")
         return backend
     for candidate in available_backends():
         backend = _registry[candidate][1]
         # a backend may support a device only for explicit use (Triton's interpreter on the CPU)
-        if getattr(backend, "auto_selects", backend.supports)(device):
+        if getattr(backend, "auto_selects", backend.supports)(device) and _supports_preset(backend, preset):
             return backend
     raise ValueError(f"backend: no registered memory backend supports device {device}")
 

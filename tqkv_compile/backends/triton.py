@@ -37,6 +37,10 @@ class TritonBackend:
         usable = device.type == "cuda" or (device.type == "cpu" and _interpreting())
         return usable and _triton_importable()
 
+    def supports_preset(self, preset: Preset) -> bool:
+        """vLLM's four presets; presets of ours (their own key/value formats) are not in the kernels yet."""
+        return preset.spec.vllm_name is not None
+
     def auto_selects(self, device: torch.device) -> bool:
         """Chosen automatically on CUDA only; the CPU interpreter is for tests that ask for it by name."""
         return torch.device(device).type == "cuda" and self.supports(device)
