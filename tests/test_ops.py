@@ -41,8 +41,9 @@ def test_attention_equals_fp32_sdpa_over_decoded_kv(name):
     torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2e-2)  # bf16 output rounding
 
 
-def test_attention_in_fp32_is_tight_against_sdpa_over_decoded_kv():
-    s = build("turboquant_4bit_nc", lens=(33, 7), new=(2, 1), group=4, dtype=torch.float32)
+@pytest.mark.parametrize("new", [(2, 1), (1, 1)], ids=["mixed", "decode"])
+def test_attention_in_fp32_is_tight_against_sdpa_over_decoded_kv(new):
+    s = build("turboquant_4bit_nc", lens=(33, 7), new=new, group=4, dtype=torch.float32)
     out = torch.ops.tqkv.attention(s.query, s.kv_cache, s.block_table, s.seq_lens, s.query_start_loc, SCALE, s.preset)
     keys, values = decoded(s)
     torch.testing.assert_close(out, sdpa_over(s, keys, values, SCALE), atol=1e-5, rtol=1e-5)

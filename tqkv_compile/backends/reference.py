@@ -53,7 +53,11 @@ class ReferenceBackend:
         kv_heads = kv_cache.shape[2]
         group = query.shape[1] // kv_heads
         starts = query_start_loc.tolist()
-        for b, length in enumerate(seq_lens.tolist()):
+        lengths = seq_lens.tolist()
+        if lengths and all(b - a == 1 for a, b in zip(starts, starts[1:])):
+            self._decode(query, kv_cache, block_table, seq_lens, starts, max(lengths), scale, preset, out)
+            return out
+        for b, length in enumerate(lengths):
             start, end = starts[b], starts[b + 1]
             new = end - start
             if new <= 0:
@@ -67,6 +71,23 @@ class ReferenceBackend:
             o = torch.einsum("kgnl,lkd->nkgd", probs, values)
             out[start:end] = o.reshape(new, kv_heads * group, -1).to(query.dtype)
         return out
+
+    def _decode(self, query, kv_cache, block_table, seq_lens, starts, longest, scale, preset: Preset, out):
+        """One new token per sequence: all sequences at once, padded to the longest."""
+        batch, kv_heads, block_size = len(starts) - 1, kv_cache.shape[2], kv_cache.shape[1]
+        pos = torch.arange(longest, device=kv_cache.device)
+        valid = pos[None, :] < seq_lens.to(kv_cache.device, torch.int64)[:, None]  # [B, L]
+        blocks = block_table.to(kv_cache.device, torch.int64)[:, pos // block_size]
+        blocks = torch.where(valid, blocks, torch.zeros_like(blocks))  # entries past a sequence may be junk
+        slots = kv_cache[blocks, pos % block_size]  # [B, L, Hk, S]
+        unit, norm = preset.decode_keys_rotated(slots)
+        keys, values = unit * norm[..., None], preset.decode_values(slots)
+        rows = torch.tensor(starts[:-1], device=query.device)
+        q = self._rotated(query[rows], preset).view(batch, kv_heads, -1, query.shape[-1])
+        scores = torch.einsum("bkgd,blkd->bkgl", q, keys) * scale
+        probs = torch.softmax(scores.masked_fill(~valid[:, None, None, :], float("-inf")), dim=-1)
+        o = torch.einsum("bkgl,blkd->bkgd", probs, values)
+        out[rows] = o.reshape(batch, -1, query.shape[-1]).to(query.dtype)
 
     def kv_dot(self, query, kv_cache, block_table, seq_lens, scale, preset: Preset):
         batch, heads, _ = query.shape
