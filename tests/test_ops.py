@@ -12,8 +12,9 @@ SCALE = 0.125
 
 
 @pytest.mark.parametrize("strided", [False, True])
-@pytest.mark.parametrize("name", preset_names())
+@pytest.mark.parametrize("name", preset_names() + tqkv_compile.codec.own_preset_names())
 def test_kv_write_stores_exactly_encodes_bytes_and_skips_negative_slots(name, strided):
+    """Also for presets of ours, in their host preset's (vLLM CPU) allocation when strided."""
     p = get_preset(name, 64)
     base = torch.zeros(3, 2, 4, 128, dtype=torch.uint8) if strided else None
     cache = base.permute(0, 2, 1, 3)[..., : p.slot_bytes] if strided else torch.zeros(3, 4, 2, p.slot_bytes, dtype=torch.uint8)

@@ -88,21 +88,6 @@ def test_k5v3_keys_beat_4bit_nc_threefold_in_fewer_bytes(dim):
 
 
 @pytest.mark.parametrize("name", OWN)
-def test_kv_write_stores_encodes_bytes_in_the_host_presets_cpu_allocation(name):
-    p = get_preset(name, 64)
-    base = torch.zeros(3, 2, 4, 128, dtype=torch.uint8)  # vLLM's CPU allocation: [NB, Hk, BS, 2*D]
-    cache = base.permute(0, 2, 1, 3)[..., : p.slot_bytes]
-    key, value = torch.randn(5, 2, 64, dtype=torch.bfloat16), torch.randn(5, 2, 64, dtype=torch.bfloat16)
-    slots = torch.tensor([9, -1, 0, 4, 11])
-    torch.ops.tqkv.kv_write(key, value, cache, slots, name)
-    expected = p.encode(key, value)
-    for t, slot in enumerate(slots.tolist()):
-        if slot >= 0:
-            assert torch.equal(cache[slot // 4, slot % 4], expected[t])
-    assert int(base[..., p.slot_bytes :].sum()) == 0
-
-
-@pytest.mark.parametrize("name", OWN)
 def test_attention_equals_fp32_sdpa_over_decoded_kv(name):
     s = build(name, lens=(5, 17, 9), new=(1, 3, 9), group=3, strided=True, dtype=torch.float32)
     out = torch.ops.tqkv.attention(s.query, s.kv_cache, s.block_table, s.seq_lens, s.query_start_loc, SCALE, name)
