@@ -302,14 +302,15 @@ def _word_planes(w, BITS: tl.constexpr, NW: tl.constexpr):
 
 
 @triton.jit
-def _centroids_sym16(code, cent_ptr):
+def _centroids_sym16(code, cent_ptr, OUT: tl.constexpr):
     """4-bit codes -> fp32 centroids, using the table's sign symmetry c[15 - i] = -c[i]: an 8-way select on
     the folded index, then the sign."""
     upper = code >= 8
     folded = tl.where(upper, 15 - code, code)
-    mag = _select8(folded, tl.load(cent_ptr + 0), tl.load(cent_ptr + 1), tl.load(cent_ptr + 2),
-                   tl.load(cent_ptr + 3), tl.load(cent_ptr + 4), tl.load(cent_ptr + 5), tl.load(cent_ptr + 6),
-                   tl.load(cent_ptr + 7))
+    ty: tl.constexpr = OUT
+    mag = _select8(folded, tl.load(cent_ptr + 0).to(ty), tl.load(cent_ptr + 1).to(ty), tl.load(cent_ptr + 2).to(ty),
+                   tl.load(cent_ptr + 3).to(ty), tl.load(cent_ptr + 4).to(ty), tl.load(cent_ptr + 5).to(ty),
+                   tl.load(cent_ptr + 6).to(ty), tl.load(cent_ptr + 7).to(ty))
     return tl.where(upper, -mag, mag)
 
 
@@ -391,7 +392,7 @@ def _decode_words_kernel(
                 lo, hi = _load_words(wptr, base, valid, KW)
                 codes = _word_planes(_funnel(lo, hi, base), 4, KW)
                 if SYM:
-                    cent = _centroids_sym16(codes, cent_ptr)
+                    cent = _centroids_sym16(codes, cent_ptr, tl.float32)
                 else:
                     cent = _centroids(codes, cent_ptr, 4, False)
                 cent = tl.reshape(cent, (BLOCK_N, D))
@@ -430,6 +431,241 @@ def _decode_words_kernel(
     else:
         col = _order3(D)
     tl.store(part_out_ptr + part[:, None] * D + col[None, :], out, mask=head_ok[:, None])
+    tl.store(part_lse_ptr + part, m_i + tl.log2(l_i), mask=head_ok)
+
+
+@triton.jit
+def _tile_base(bt_row, s_bm, start, end, n, kv_head, s_blk, s_pos, s_head, BLOCK_SIZE: tl.constexpr):
+    """Byte offset of each slot of the tile at start (0 past end) and its validity. The block-id load is the
+    only load here."""
+    pos = start + n
+    valid = pos < end
+    block = tl.load(bt_row + (pos // BLOCK_SIZE) * s_bm, mask=valid, other=0).to(tl.int64)
+    return block * s_blk + (pos % BLOCK_SIZE) * s_pos + kv_head * s_head, valid
+
+
+@triton.jit
+def _load_field(eptr, base, valid, offset: tl.constexpr, nbytes: tl.constexpr, WORD: tl.constexpr):
+    """The nbytes-byte field at base + offset as WORD-byte little-endian words, int32 [N, nbytes / WORD]
+    (zero-extended)."""
+    j = tl.arange(0, nbytes // WORD)
+    raw = tl.load(eptr + ((base + offset) // WORD)[:, None] + j[None, :], mask=valid[:, None], other=0)
+    if WORD == 2:
+        raw = raw.to(tl.int32) & 0xFFFF
+    return raw
+
+
+@triton.jit
+def _load_half(hptr, base, valid, offset: tl.constexpr):
+    """The fp16 at base + offset (2-byte aligned) -> fp32 [N]."""
+    return tl.load(hptr + (base + offset) // 2, mask=valid, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _unpack(words, BITS: tl.constexpr, WORD: tl.constexpr):
+    """int32 words [N, W] of BITS-bit fields -> int32 [N, W * 8 * WORD / BITS] in natural order (field k of
+    word j is column j * per + k: little-endian fields are consecutive coordinates)."""
+    PER: tl.constexpr = 8 * WORD // BITS
+    k = tl.arange(0, PER)
+    fields = (words[:, :, None] >> (k * BITS)[None, None, :]) & ((1 << BITS) - 1)
+    return tl.reshape(fields, (words.shape[0], words.shape[1] * PER))
+
+
+@triton.jit
+def _join4(a, b, c, d):
+    """Four [N, W] tensors -> [N, 4 W]: column 4 j + k holds the k-th tensor's column j."""
+    x = tl.join(tl.join(a, c), tl.join(b, d))  # [N, W, 2, 2]: [.., i, j] is the (2 i + j)-th tensor
+    return tl.reshape(x, (a.shape[0], a.shape[1] * 4))
+
+
+@triton.jit
+def _lut4_fp16(words, lut_ptr):
+    """int32 [N, W] holding four 4-bit codes each (low 16 bits, little-endian) -> fp16 [N, 4 W] in natural
+    order, each code looked up in a 16-entry fp16 table by byte permutes (PTX ``prmt``; GPU only). The table
+    is 8 int32 at lut_ptr: the low bytes of entries 0-3, 4-7, 8-11, 12-15, then the high bytes likewise.
+    11 instructions per four codes: prmt picks the low and high bytes from the lower- and upper-half
+    tables (the code's low 3 bits index 8 bytes), a byte mask from bit 3 of each code (prmt's sign-replicate
+    mode) chooses between the halves, and two prmt interleave low and high bytes into fp16 pairs."""
+    t0, t1, t2, t3 = tl.load(lut_ptr + 0), tl.load(lut_ptr + 1), tl.load(lut_ptr + 2), tl.load(lut_ptr + 3)
+    t4, t5, t6, t7 = tl.load(lut_ptr + 4), tl.load(lut_ptr + 5), tl.load(lut_ptr + 6), tl.load(lut_ptr + 7)
+    o0, o1, o2, o3 = tl.inline_asm_elementwise(
+        """{
+        .reg .b32 f, s, m, ll, lu, hl, hu, lo, hi, p, q;
+        and.b32 f, $4, 0x7777;
+        prmt.b32 ll, $5, $6, f;
+        prmt.b32 lu, $7, $8, f;
+        prmt.b32 hl, $9, $10, f;
+        prmt.b32 hu, $11, $12, f;
+        shl.b32 s, $4, 4;
+        prmt.b32 m, $4, s, 0x9D8C;
+        lop3.b32 lo, ll, lu, m, 0xD8;
+        lop3.b32 hi, hl, hu, m, 0xD8;
+        prmt.b32 p, lo, hi, 0x5140;
+        prmt.b32 q, lo, hi, 0x7362;
+        mov.b32 {$0, $1}, p;
+        mov.b32 {$2, $3}, q;
+        }""",
+        "=h,=h,=h,=h,r,r,r,r,r,r,r,r,r",
+        [words, t0, t1, t2, t3, t4, t5, t6, t7],
+        dtype=(tl.float16, tl.float16, tl.float16, tl.float16), is_pure=True, pack=1)
+    return _join4(o0, o1, o2, o3)
+
+
+@triton.jit
+def _fp8x4_fp16(words):
+    """int32 [N, W] holding four fp8 e4m3 bytes each -> fp16 [N, 4 W] in natural order by the hardware's
+    two-at-a-time conversion (``cvt.rn.f16x2.e4m3x2``; GPU only)."""
+    o0, o1, o2, o3 = tl.inline_asm_elementwise(
+        """{
+        .reg .b16 l, h;
+        .reg .b32 a, b;
+        mov.b32 {l, h}, $4;
+        cvt.rn.f16x2.e4m3x2 a, l;
+        cvt.rn.f16x2.e4m3x2 b, h;
+        mov.b32 {$0, $1}, a;
+        mov.b32 {$2, $3}, b;
+        }""",
+        "=h,=h,=h,=h,r", [words], dtype=(tl.float16, tl.float16, tl.float16, tl.float16), is_pure=True, pack=1)
+    return _join4(o0, o1, o2, o3)
+
+
+@triton.jit
+def _decode_stream_kernel(
+    q_ptr, cache_ptr, block_table_ptr, seq_lens_ptr, qsl_ptr, cent_ptr, key_lut_ptr, value_lut_ptr,
+    part_out_ptr, part_lse_ptr,
+    num_seqs,
+    s_qt, s_qh, s_qd, s_bt, s_bm,
+    s_blk, s_pos, s_head,
+    GROUP: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, SEARCH_STEPS: tl.constexpr,
+    KEY_FP8: tl.constexpr, KEY_CODE_BYTES: tl.constexpr, NORM_CORRECTION: tl.constexpr,
+    VALUE_OFFSET: tl.constexpr, VALUE_CODE_BYTES: tl.constexpr,
+    DOT_FP32: tl.constexpr, KEY_WORD: tl.constexpr, VALUE_WORD: tl.constexpr, PREFETCH: tl.constexpr,
+    NC_DOT: tl.constexpr, ASM: tl.constexpr,
+):
+    """The split kernel's contract (see :func:`_decode_split_kernel`) for fp8 or 4-bit Lloyd-Max keys with
+    4-bit uniform values (k8v4, 4bit_nc), a cache whose last stride is 1 and whose fields are WORD-byte
+    aligned: every field is read as WORD-byte words and unpacked into natural coordinate order (no query
+    permutation). With PREFETCH, the next tile's words and the tile after's block ids are loaded before the
+    current tile is computed (software pipelining by hand: the loads are in flight during the math)."""
+    row = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    DTYPE: tl.constexpr = tl.float32 if DOT_FP32 else tl.float16
+    PRECISION: tl.constexpr = "ieee" if DOT_FP32 else None
+    kptr = cache_ptr.to(tl.pointer_type(tl.int32 if KEY_WORD == 4 else tl.int16), bitcast=True)
+    vptr = cache_ptr.to(tl.pointer_type(tl.int32 if VALUE_WORD == 4 else tl.int16), bitcast=True)
+    hptr = cache_ptr.to(tl.pointer_type(tl.float16), bitcast=True)
+
+    seq, length = _row_context(row, qsl_ptr, seq_lens_ptr, num_seqs, SEARCH_STEPS)
+    per_split = tl.cdiv(tl.cdiv(length, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    begin = split * per_split
+    end = tl.minimum(begin + per_split, length)
+
+    h = tl.arange(0, BLOCK_H)
+    q_heads = kv_head * GROUP + h
+    part = (row * (GROUP * tl.num_programs(1)) + q_heads) * NUM_SPLITS + split  # [BLOCK_H]
+    head_ok = h < GROUP
+    if begin >= end:
+        tl.store(part_lse_ptr + part, tl.full((BLOCK_H,), float("-inf"), tl.float32), mask=head_ok)
+        return
+
+    d = tl.arange(0, D)
+    q = tl.load(q_ptr + row * s_qt + q_heads[:, None] * s_qh + d[None, :] * s_qd, mask=head_ok[:, None], other=0.0)
+    q = q.to(DTYPE)
+    if NC_DOT:
+        ones = tl.full((BLOCK_H, D), 1.0, DTYPE)
+    m_i = tl.full((BLOCK_H,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BLOCK_H,), tl.float32)
+    acc = tl.zeros((BLOCK_H, D), tl.float32)
+    shift = tl.zeros((BLOCK_H,), tl.float32)  # sum of P * (zero - 1024 * scale): the affine part of P.V
+    bt_row = block_table_ptr + seq.to(tl.int64) * s_bt
+    n = tl.arange(0, BLOCK_N)
+
+    base, valid = _tile_base(bt_row, s_bm, begin, end, n, kv_head, s_blk, s_pos, s_head, BLOCK_SIZE)
+    kw = _load_field(kptr, base, valid, 0, KEY_CODE_BYTES, KEY_WORD)
+    vw = _load_field(vptr, base, valid, VALUE_OFFSET, VALUE_CODE_BYTES, VALUE_WORD)
+    vscale = _load_half(hptr, base, valid, VALUE_OFFSET + VALUE_CODE_BYTES)
+    vzero = _load_half(hptr, base, valid, VALUE_OFFSET + VALUE_CODE_BYTES + 2)
+    if KEY_FP8:
+        knorm = vscale
+    else:
+        knorm = _load_half(hptr, base, valid, KEY_CODE_BYTES)
+    if PREFETCH:
+        base_next, valid_next = _tile_base(bt_row, s_bm, begin + BLOCK_N, end, n, kv_head, s_blk, s_pos, s_head,
+                                           BLOCK_SIZE)
+    for start in range(begin, end, BLOCK_N):
+        if PREFETCH:
+            # issue the next tile's loads and the block ids after it; the math below runs while they fly
+            kw_n = _load_field(kptr, base_next, valid_next, 0, KEY_CODE_BYTES, KEY_WORD)
+            vw_n = _load_field(vptr, base_next, valid_next, VALUE_OFFSET, VALUE_CODE_BYTES, VALUE_WORD)
+            vscale_n = _load_half(hptr, base_next, valid_next, VALUE_OFFSET + VALUE_CODE_BYTES)
+            vzero_n = _load_half(hptr, base_next, valid_next, VALUE_OFFSET + VALUE_CODE_BYTES + 2)
+            if KEY_FP8:
+                knorm_n = vscale_n
+            else:
+                knorm_n = _load_half(hptr, base_next, valid_next, KEY_CODE_BYTES)
+            base_after, valid_after = _tile_base(bt_row, s_bm, start + 2 * BLOCK_N, end, n, kv_head, s_blk, s_pos,
+                                                 s_head, BLOCK_SIZE)
+        valid = start + n < end
+
+        # ---- keys -> scores [BLOCK_H, BLOCK_N]
+        if KEY_FP8:
+            if ASM:
+                keys = _fp8x4_fp16(kw)
+            else:
+                keys = _unpack(kw, 8, KEY_WORD).to(tl.int8).to(tl.float8e4nv, bitcast=True).to(DTYPE)
+            scores = tl.dot(q, tl.trans(keys), input_precision=PRECISION)
+        else:
+            if ASM:
+                cent = _lut4_fp16(kw, key_lut_ptr)
+            else:
+                cent = _centroids_sym16(_unpack(kw, 4, KEY_WORD), cent_ptr, DTYPE)  # the table in DTYPE, selected
+            scores = tl.dot(q, tl.trans(cent), input_precision=PRECISION)
+            cent = cent.to(tl.float32)
+            if NORM_CORRECTION:
+                if NC_DOT:
+                    sumsq = tl.dot(ones, tl.trans((cent * cent).to(DTYPE)), input_precision=PRECISION)
+                    scores = scores * (knorm[None, :] / tl.sqrt(sumsq + 1e-16))
+                else:
+                    factor = knorm / tl.sqrt(tl.sum(cent * cent, axis=1) + 1e-16)
+                    scores = scores * factor[None, :]
+            else:
+                scores = scores * knorm[None, :]
+        scores = tl.where(valid[None, :], scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(scores - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        m_i = m_new
+
+        # ---- values: P.V = (P * scale) . (1024 + code) + P . (zero - 1024 * scale)
+        ps = (p * vscale[None, :]).to(DTYPE)
+        shift = shift * alpha + tl.sum(p * vzero[None, :], axis=1) - 1024.0 * tl.sum(ps.to(tl.float32), axis=1)
+        if ASM:
+            vcodes = _lut4_fp16(vw, value_lut_ptr)  # fp16 1024 + code
+        else:
+            vcodes = _codes_f16(_unpack(vw, 4, VALUE_WORD)).to(DTYPE)
+        acc = tl.dot(ps, vcodes, acc * alpha[:, None])
+
+        if PREFETCH:
+            kw, vw, vscale, vzero, knorm = kw_n, vw_n, vscale_n, vzero_n, knorm_n
+            base_next, valid_next = base_after, valid_after
+        else:
+            base, valid_t = _tile_base(bt_row, s_bm, start + BLOCK_N, end, n, kv_head, s_blk, s_pos, s_head,
+                                       BLOCK_SIZE)
+            kw = _load_field(kptr, base, valid_t, 0, KEY_CODE_BYTES, KEY_WORD)
+            vw = _load_field(vptr, base, valid_t, VALUE_OFFSET, VALUE_CODE_BYTES, VALUE_WORD)
+            vscale = _load_half(hptr, base, valid_t, VALUE_OFFSET + VALUE_CODE_BYTES)
+            vzero = _load_half(hptr, base, valid_t, VALUE_OFFSET + VALUE_CODE_BYTES + 2)
+            if KEY_FP8:
+                knorm = vscale
+            else:
+                knorm = _load_half(hptr, base, valid_t, KEY_CODE_BYTES)
+
+    inv = 1.0 / l_i
+    out = acc * inv[:, None] + (shift * inv)[:, None]
+    tl.store(part_out_ptr + part[:, None] * D + d[None, :], out, mask=head_ok[:, None])
     tl.store(part_lse_ptr + part, m_i + tl.log2(l_i), mask=head_ok)
 
 
@@ -488,15 +724,65 @@ def _words_ok(kv_cache: torch.Tensor) -> bool:
     return kv_cache.dtype == torch.uint8 and kv_cache.stride(3) == 1 and kv_cache.data_ptr() % 4 == 0
 
 
+def stream_words(preset: Preset, kv_cache: torch.Tensor, asm: bool) -> tuple[int, int, bool] | None:
+    """(key word bytes, value word bytes, asm) the stream kernel reads this cache with, or None where it
+    cannot: it takes fp8 or 4-bit Lloyd-Max keys with 4-bit uniform values of vLLM's layout, from
+    byte-contiguous slots whose fields and strides are multiples of the word. The asm lookups (GPU) read
+    4-bit codes as 16-bit words (four codes each) and fp8 keys as 32-bit words."""
+    if not (preset.key_fp8 or preset.key_bits == 4) or preset.value_bits != 4 or preset.spec.vllm_name is None:
+        return None
+    if kv_cache.dtype != torch.uint8 or kv_cache.stride(3) != 1:
+        return None
+    common = (kv_cache.data_ptr(), *kv_cache.stride()[:3])
+
+    def fits(word: int, *offsets: int) -> bool:
+        return all(o % word == 0 for o in (*common, *offsets))
+
+    if not fits(2, preset.key_code_bytes, preset.key_bytes, preset.value_code_bytes):
+        return None
+    key_word = 4 if fits(4, preset.key_code_bytes) else 2
+    value_word = 4 if fits(4, preset.key_bytes, preset.value_code_bytes) else 2
+    asm = asm and (key_word == 4 or not preset.key_fp8)
+    if asm:
+        value_word = 2
+        key_word = 4 if preset.key_fp8 else 2
+    return key_word, value_word, asm
+
+
+_LUTS: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+
+def _lut_words(table: torch.Tensor) -> torch.Tensor:
+    """16 fp16 entries -> int32 [8]: low bytes of entries 0-3, 4-7, 8-11, 12-15, then high bytes (see
+    :func:`_lut4_fp16`)."""
+    b = table.to(torch.float16).view(torch.uint8).view(16, 2).to(torch.int64)
+    words = [sum(int(b[4 * w + i, half]) << (8 * i) for i in range(4)) for half in (0, 1) for w in range(4)]
+    return torch.tensor([w - (1 << 32) if w >= 1 << 31 else w for w in words], dtype=torch.int32)
+
+
+def lut_tables(centroids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(key table, value table) for :func:`_lut4_fp16` on centroids' device, built once per table: the
+    16 key centroids in fp16 (a placeholder for fp8 keys), and fp16 1024 + c for 4-bit value codes."""
+    key = (centroids.data_ptr(), centroids.device.index or 0)
+    if key not in _LUTS:
+        cents = centroids.float().cpu() if centroids.numel() == 16 else torch.zeros(16)
+        # the centroids tensor is kept alive with its tables, so its address cannot be reused by another
+        _LUTS[key] = (centroids, _lut_words(cents).to(centroids.device),
+                      _lut_words(1024.0 + torch.arange(16, dtype=torch.float32)).to(centroids.device))
+    return _LUTS[key][1:]
+
+
 def default_kernel(preset: Preset, programs: int, kv_cache: torch.Tensor, device: torch.device,
                    centroid_gather: bool = False) -> str:
-    """The kernel measured faster on the H200 (bench/results/h200-kernels-notes.md): the word kernel for
-    4-bit Lloyd-Max keys and for 3-bit values when (row, kv head) programs fill the GPU twice over; the byte
-    kernel otherwise (fp8 keys, 3-bit keys with 4-bit values, small batches). Under the interpreter (tests)
-    the word kernel wherever the preset takes it, so both kernels stay covered."""
-    if centroid_gather or not _words_ok(kv_cache) or preset.key_fp8:
+    """The kernel measured fastest on the H200 (bench/results/h200-kernels-notes.md): the stream kernel
+    wherever it can read the cache (fp8 or 4-bit keys with 4-bit values: k8v4, 4bit_nc); for 3-bit fields
+    the word kernel when (row, kv head) programs fill the GPU twice over (3-bit values), the byte kernel
+    otherwise (under the interpreter: the word kernel wherever it applies, so that tests cover it)."""
+    if centroid_gather:
         return "bytes"
-    if preset.key_bits != 4 and preset.value_bits != 3:
+    if stream_words(preset, kv_cache, asm=device.type == "cuda") is not None:
+        return "stream"
+    if not _words_ok(kv_cache) or preset.key_fp8 or (preset.key_bits != 4 and preset.value_bits != 3):
         return "bytes"
     if device.type == "cpu" or programs >= 2 * _sm_count(device):
         return "words"
@@ -507,7 +793,8 @@ def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: t
                      seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float, preset: Preset,
                      rotation: torch.Tensor, centroids: torch.Tensor, *, splits: int | None = None,
                      block_n: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
-                     centroid_gather: bool = False, kernel: str | None = None, sym: bool = True) -> torch.Tensor:
+                     centroid_gather: bool = False, kernel: str | None = None, sym: bool = True,
+                     prefetch: bool = True, nc_dot: bool | None = None, asm: bool = True) -> torch.Tensor:
     """query [T, Hq, D] -> out [T, Hq, D] (query dtype); see the module docstring and ops.attention.
     ``kernel``: "words" (default where the cache allows) or "bytes" (the first kernel)."""
     rows, heads, dim = query.shape
@@ -521,6 +808,8 @@ def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: t
         kernel = default_kernel(preset, rows * kv_heads, kv_cache, query.device, centroid_gather)
     if block_n is None:
         block_n = 16 if interpret else (64 if kernel == "words" else 32)
+    if nc_dot is None:
+        nc_dot = kernel == "stream"
     if num_stages is None and kernel == "words" and preset.key_bits == 4:
         num_stages = 3
     max_len = block_table.shape[1] * kv_cache.shape[1]
@@ -534,7 +823,23 @@ def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: t
                   KEY_FP8=preset.key_fp8, KEY_BITS=preset.key_bits, KEY_CODE_BYTES=preset.key_code_bytes,
                   NORM_CORRECTION=preset.norm_correction, VALUE_BITS=preset.value_bits,
                   VALUE_OFFSET=preset.key_bytes, VALUE_CODE_BYTES=preset.value_code_bytes, DOT_FP32=interpret)
-    if kernel == "words":
+    if kernel == "stream":
+        words = stream_words(preset, kv_cache, asm=asm and not interpret)
+        if words is None:
+            raise ValueError(f"the stream kernel cannot read {preset.name} from this cache view")
+        q = query.float() if preset.key_fp8 else torch.matmul(query.float(), rotation)
+        q = q * (scale * LOG2E)
+        key_lut, value_lut = lut_tables(centroids)
+        _decode_stream_kernel[(rows, kv_heads, splits)](
+            q, kv_cache, block_table, seq_lens, query_start_loc, centroids, key_lut, value_lut, part_out, part_lse,
+            num_seqs, *q.stride(), *block_table.stride(), *kv_cache.stride()[:3],
+            GROUP=common["GROUP"], BLOCK_H=common["BLOCK_H"], D=dim, BLOCK_SIZE=kv_cache.shape[1], BLOCK_N=block_n,
+            NUM_SPLITS=splits, SEARCH_STEPS=common["SEARCH_STEPS"], KEY_FP8=preset.key_fp8,
+            KEY_CODE_BYTES=preset.key_code_bytes, NORM_CORRECTION=preset.norm_correction,
+            VALUE_OFFSET=preset.key_bytes, VALUE_CODE_BYTES=preset.value_code_bytes, DOT_FP32=interpret,
+            KEY_WORD=words[0], VALUE_WORD=words[1], ASM=words[2], PREFETCH=prefetch, NC_DOT=nc_dot, num_warps=num_warps or 4, num_stages=num_stages or 1,
+        )
+    elif kernel == "words":
         # The query, rotated (Lloyd-Max keys), permuted to the key tile's column order and scaled once,
         # log2(e) folded in for exp2: one small matmul (the permutation rides in the rotation matrix).
         order = key_column_order(preset, dim).to(query.device)

@@ -160,6 +160,18 @@ def test_both_kernels_read_unaligned_slots(preset_name, kernel):
     torch.testing.assert_close(out.float(), expected.float(), **_tolerance(torch.float16))
 
 
+@pytest.mark.parametrize("variant", [dict(prefetch=True), dict(prefetch=False, nc_dot=True)])
+@pytest.mark.parametrize("dim", HEAD_DIMS)
+@pytest.mark.parametrize("preset_name", ["turboquant_k8v4", "turboquant_4bit_nc"])
+def test_stream_kernel_matches_reference(preset_name, dim, variant):
+    """The stream kernel (word loads in natural order, next tile prefetched) on decode and mixed rows, with
+    lengths that end mid-tile and mid-split."""
+    preset = get_preset(preset_name, dim)
+    out, expected = _attention_both(preset, 4, torch.float16, [1, 3, 1], [37, 50, 16], seed=dim, kernel="stream",
+                                    block_n=16, splits=2, **variant)
+    torch.testing.assert_close(out.float(), expected.float(), **_tolerance(torch.float16))
+
+
 def test_split_kv_merge_handles_empty_splits():
     preset = get_preset("turboquant_k3v4_nc", 64)
     # 7 splits over lengths 2 and 90: most of the short sequence's splits are empty
