@@ -794,7 +794,8 @@ def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: t
                      rotation: torch.Tensor, centroids: torch.Tensor, *, splits: int | None = None,
                      block_n: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
                      centroid_gather: bool = False, kernel: str | None = None, sym: bool = True,
-                     prefetch: bool = True, nc_dot: bool | None = None, asm: bool = True) -> torch.Tensor:
+                     prefetch: bool = True, nc_dot: bool | None = None, asm: bool = True,
+                     maxnreg: int | None = None) -> torch.Tensor:
     """query [T, Hq, D] -> out [T, Hq, D] (query dtype); see the module docstring and ops.attention.
     ``kernel``: "words" (default where the cache allows) or "bytes" (the first kernel)."""
     rows, heads, dim = query.shape
@@ -806,8 +807,10 @@ def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: t
     interpret = query.device.type == "cpu"
     if kernel is None:
         kernel = default_kernel(preset, rows * kv_heads, kv_cache, query.device, centroid_gather)
-    if block_n is None:
-        block_n = 16 if interpret else (64 if kernel == "words" else 32)
+    if block_n is None:  # the H200 sweep's best (bench/results/h200-kernels-notes.md)
+        block_n = 16 if interpret else (32 if kernel == "bytes" or (kernel == "stream" and preset.key_fp8) else 64)
+    if num_warps is None and kernel == "stream" and preset.key_fp8:
+        num_warps = 2
     if nc_dot is None:
         nc_dot = kernel == "stream"
     if num_stages is None and kernel == "words" and preset.key_bits == 4:
@@ -838,6 +841,7 @@ def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: t
             KEY_CODE_BYTES=preset.key_code_bytes, NORM_CORRECTION=preset.norm_correction,
             VALUE_OFFSET=preset.key_bytes, VALUE_CODE_BYTES=preset.value_code_bytes, DOT_FP32=interpret,
             KEY_WORD=words[0], VALUE_WORD=words[1], ASM=words[2], PREFETCH=prefetch, NC_DOT=nc_dot, num_warps=num_warps or 4, num_stages=num_stages or 1,
+            **({} if maxnreg is None else {"maxnreg": maxnreg}),
         )
     elif kernel == "words":
         # The query, rotated (Lloyd-Max keys), permuted to the key tile's column order and scaled once,
