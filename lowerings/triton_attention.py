@@ -110,7 +110,7 @@ def _load_fp16(cache_ptr, addr, valid):
 
 
 @triton.jit
-def _load_query(q_ptr, row, q_heads, head_ok, s_qt, s_qh, s_qd, qscale,
+def _load_query(q_ptr, row, q_heads, head_ok, s_qt, s_qh, s_qd,
                 D: tl.constexpr, KEY_FP8: tl.constexpr, KEY_BITS: tl.constexpr, DTYPE: tl.constexpr):
     """The query group [BLOCK_H, ...] in the column order the key tiles use: (q, q) for fp8 keys (natural
     order; the second is unused), (even, odd) coordinates for 4-bit keys, (:func:`_order3`, unused) for 3-bit."""
@@ -125,7 +125,7 @@ def _load_query(q_ptr, row, q_heads, head_ok, s_qt, s_qh, s_qd, qscale,
     else:
         first = tl.load(rows + _order3(D)[None, :] * s_qd, mask=head_ok[:, None], other=0.0)
         second = first
-    return (first.to(tl.float32) * qscale).to(DTYPE), (second.to(tl.float32) * qscale).to(DTYPE)
+    return first.to(DTYPE), second.to(DTYPE)
 
 
 @triton.jit
@@ -188,7 +188,7 @@ def _row_context(row, qsl_ptr, seq_lens_ptr, num_seqs, SEARCH_STEPS: tl.constexp
 @triton.jit
 def _decode_split_kernel(
     q_ptr, cache_ptr, block_table_ptr, seq_lens_ptr, qsl_ptr, cent_ptr, part_out_ptr, part_lse_ptr,
-    num_seqs, qscale,
+    num_seqs,
     s_qt, s_qh, s_qd, s_bt, s_bm,
     s_blk, s_pos, s_head, s_byte,
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
@@ -215,7 +215,7 @@ def _decode_split_kernel(
         tl.store(part_lse_ptr + part, tl.full((BLOCK_H,), float("-inf"), tl.float32), mask=head_ok)
         return
 
-    q_a, q_b = _load_query(q_ptr, row, q_heads, head_ok, s_qt, s_qh, s_qd, qscale, D, KEY_FP8, KEY_BITS, DTYPE)
+    q_a, q_b = _load_query(q_ptr, row, q_heads, head_ok, s_qt, s_qh, s_qd, D, KEY_FP8, KEY_BITS, DTYPE)
     m_i = tl.full((BLOCK_H,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_H,), tl.float32)
     # Value accumulators: (even, odd) coordinates for 4-bit values, _order3 columns for 3-bit (b unused).
@@ -719,9 +719,16 @@ def num_splits(rows: int, kv_heads: int, max_len: int, device: torch.device, blo
     return int(max(1, min(wanted, most, 64)))
 
 
+def _base_offset(t: torch.Tensor) -> int:
+    """Byte offset of the view into its storage. Alignment is judged from it, not from data_ptr(), so that the
+    launchers also run on fake tensors (Inductor tracing a ``triton_op``): storages themselves are at least
+    16-byte aligned (CUDA's caching allocator: 512)."""
+    return t.storage_offset() * t.element_size()
+
+
 def _words_ok(kv_cache: torch.Tensor) -> bool:
     """The word kernel reads 32-bit words: it needs byte-contiguous slots and a 4-byte-aligned base."""
-    return kv_cache.dtype == torch.uint8 and kv_cache.stride(3) == 1 and kv_cache.data_ptr() % 4 == 0
+    return kv_cache.dtype == torch.uint8 and kv_cache.stride(3) == 1 and _base_offset(kv_cache) % 4 == 0
 
 
 def stream_words(preset: Preset, kv_cache: torch.Tensor, asm: bool) -> tuple[int, int, bool] | None:
@@ -733,7 +740,7 @@ def stream_words(preset: Preset, kv_cache: torch.Tensor, asm: bool) -> tuple[int
         return None
     if kv_cache.dtype != torch.uint8 or kv_cache.stride(3) != 1:
         return None
-    common = (kv_cache.data_ptr(), *kv_cache.stride()[:3])
+    common = (_base_offset(kv_cache), *kv_cache.stride()[:3])
 
     def fits(word: int, *offsets: int) -> bool:
         return all(o % word == 0 for o in (*common, *offsets))
@@ -789,15 +796,25 @@ def default_kernel(preset: Preset, programs: int, kv_cache: torch.Tensor, device
     return "bytes"
 
 
+def _plain_launch(kernel):
+    return kernel
+
+
 def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
                      seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float, preset: Preset,
                      rotation: torch.Tensor, centroids: torch.Tensor, *, splits: int | None = None,
                      block_n: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
                      centroid_gather: bool = False, kernel: str | None = None, sym: bool = True,
-                     prefetch: bool = True, nc_dot: bool | None = None, asm: bool = True,
-                     maxnreg: int | None = None) -> torch.Tensor:
+                     prefetch: bool | None = None, nc_dot: bool | None = None, asm: bool = True,
+                     maxnreg: int | None = None, luts: tuple[torch.Tensor, torch.Tensor] | None = None,
+                     launch=None) -> torch.Tensor:
     """query [T, Hq, D] -> out [T, Hq, D] (query dtype); see the module docstring and ops.attention.
-    ``kernel``: "words" (default where the cache allows) or "bytes" (the first kernel)."""
+    ``kernel``: "stream", "words" or "bytes" (default: :func:`default_kernel`); the other keywords are tuning
+    knobs (the H200 sweep's best by default). ``luts``: the stream kernel's lookup tables (default: built from
+    centroids and cached). ``launch``: wraps each kernel before its launch (``torch.library.wrap_triton`` when
+    traced for Inductor, see :mod:`tqkv_compile.lowerings.inductor_ops`)."""
+    if launch is None:
+        launch = _plain_launch
     rows, heads, dim = query.shape
     kv_heads = kv_cache.shape[2]
     group = heads // kv_heads
@@ -807,10 +824,13 @@ def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: t
     interpret = query.device.type == "cpu"
     if kernel is None:
         kernel = default_kernel(preset, rows * kv_heads, kv_cache, query.device, centroid_gather)
-    if block_n is None:  # the H200 sweep's best (bench/results/h200-kernels-notes.md)
-        block_n = 16 if interpret else (32 if kernel == "bytes" or (kernel == "stream" and preset.key_fp8) else 64)
-    if num_warps is None and kernel == "stream" and preset.key_fp8:
-        num_warps = 2
+    if block_n is None:  # the H200 sweeps' best (bench/results/h200-kernels-notes.md)
+        block_n = 16 if interpret else (32 if kernel == "bytes" else 64)
+    if kernel == "stream" and not interpret:
+        # no hand prefetch, registers capped: 3 (4-bit keys) / 4 (fp8 keys) CTAs per SM without spills
+        prefetch = False if prefetch is None else prefetch
+        maxnreg = maxnreg or (128 if preset.key_fp8 else 168)
+    prefetch = True if prefetch is None else prefetch
     if nc_dot is None:
         nc_dot = kernel == "stream"
     if num_stages is None and kernel == "words" and preset.key_bits == 4:
@@ -832,8 +852,8 @@ def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: t
             raise ValueError(f"the stream kernel cannot read {preset.name} from this cache view")
         q = query.float() if preset.key_fp8 else torch.matmul(query.float(), rotation)
         q = q * (scale * LOG2E)
-        key_lut, value_lut = lut_tables(centroids)
-        _decode_stream_kernel[(rows, kv_heads, splits)](
+        key_lut, value_lut = luts if luts is not None else lut_tables(centroids)
+        launch(_decode_stream_kernel)[(rows, kv_heads, splits)](
             q, kv_cache, block_table, seq_lens, query_start_loc, centroids, key_lut, value_lut, part_out, part_lse,
             num_seqs, *q.stride(), *block_table.stride(), *kv_cache.stride()[:3],
             GROUP=common["GROUP"], BLOCK_H=common["BLOCK_H"], D=dim, BLOCK_SIZE=kv_cache.shape[1], BLOCK_N=block_n,
@@ -851,21 +871,22 @@ def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: t
             q = query.float()[..., order] * (scale * LOG2E)
         else:
             q = torch.matmul(query.float(), rotation[:, order] * (scale * LOG2E))
-        _decode_words_kernel[(rows, kv_heads, splits)](
+        launch(_decode_words_kernel)[(rows, kv_heads, splits)](
             q, kv_cache, block_table, seq_lens, query_start_loc, centroids, part_out, part_lse,
             num_seqs, *q.stride(), *block_table.stride(), *kv_cache.stride()[:3],
             SYM=sym, **common, num_warps=num_warps or 4, num_stages=num_stages or 2,
         )
     else:
-        # The query, rotated (Lloyd-Max keys) and scaled once; log2(e) folded in for exp2.
-        q = query if preset.key_fp8 else torch.matmul(query.float(), rotation)
-        _decode_split_kernel[(rows, kv_heads, splits)](
+        # The query, rotated (Lloyd-Max keys) and scaled once; log2(e) folded in for exp2. (Host side: a float
+        # kernel argument would be fp64 when Inductor launches the kernel.)
+        q = (query.float() if preset.key_fp8 else torch.matmul(query.float(), rotation)) * (scale * LOG2E)
+        launch(_decode_split_kernel)[(rows, kv_heads, splits)](
             q, kv_cache, block_table, seq_lens, query_start_loc, centroids, part_out, part_lse,
-            num_seqs, scale * LOG2E,
+            num_seqs,
             *q.stride(), *block_table.stride(), *kv_cache.stride(),
             GATHER=centroid_gather, **common, num_warps=num_warps or 4, num_stages=num_stages or 2,
         )
-    _merge_kernel[(rows, heads)](
+    launch(_merge_kernel)[(rows, heads)](
         part_out, part_lse, out, *out.stride(),
         NUM_HEADS=heads, D=dim, NUM_SPLITS=splits, SPLITS_P2=triton.next_power_of_2(splits),
     )

@@ -18,7 +18,7 @@ from tqkv_compile.lowerings.triton_attention import _key_scores, _load_query
 
 @triton.jit
 def _kv_dot_kernel(
-    q_ptr, cache_ptr, block_table_ptr, seq_lens_ptr, cent_ptr, out_ptr, scale, width,
+    q_ptr, cache_ptr, block_table_ptr, seq_lens_ptr, cent_ptr, out_ptr, width,
     s_qb, s_qh, s_qd, s_bt, s_bm, s_blk, s_pos, s_head, s_byte, s_ob, s_oh, s_on,
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     KEY_FP8: tl.constexpr, KEY_BITS: tl.constexpr, KEY_CODE_BYTES: tl.constexpr, NORM_CORRECTION: tl.constexpr,
@@ -33,7 +33,7 @@ def _kv_dot_kernel(
     valid = pos < length
     block = tl.load(block_table_ptr + seq.to(tl.int64) * s_bt + (pos // BLOCK_SIZE) * s_bm, mask=valid, other=0)
     base = block.to(tl.int64) * s_blk + (pos % BLOCK_SIZE) * s_pos + kv_head * s_head
-    q_a, q_b = _load_query(q_ptr, seq, q_heads, head_ok, s_qb, s_qh, s_qd, scale, D, KEY_FP8, KEY_BITS, tl.float32)
+    q_a, q_b = _load_query(q_ptr, seq, q_heads, head_ok, s_qb, s_qh, s_qd, D, KEY_FP8, KEY_BITS, tl.float32)
     logits = _key_scores(q_a, q_b, cache_ptr, cent_ptr, base, valid, s_byte, D, KEY_FP8, KEY_BITS, KEY_CODE_BYTES,
                          NORM_CORRECTION, False, tl.float32, "ieee")
     logits = tl.where(valid[None, :], logits, float("-inf"))
@@ -50,11 +50,11 @@ def kv_dot(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
     out = torch.empty(batch, heads, width, dtype=torch.float32, device=query.device)
     if batch == 0 or width == 0:
         return out
-    q = query if preset.key_fp8 else torch.matmul(query.float(), rotation)
+    q = (query.float() if preset.key_fp8 else torch.matmul(query.float(), rotation)) * scale
     block_n = 32
     group = heads // kv_heads
     _kv_dot_kernel[(batch, kv_heads, triton.cdiv(width, block_n))](
-        q, kv_cache, block_table, seq_lens, centroids, out, scale, width,
+        q, kv_cache, block_table, seq_lens, centroids, out, width,
         *q.stride(), *block_table.stride(), *kv_cache.stride(), *out.stride(),
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), D=dim, BLOCK_SIZE=kv_cache.shape[1],
         BLOCK_N=block_n, KEY_FP8=preset.key_fp8, KEY_BITS=preset.key_bits, KEY_CODE_BYTES=preset.key_code_bytes,

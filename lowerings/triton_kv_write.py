@@ -62,8 +62,7 @@ def _kv_write_kernel(
     n_rows, num_kv_heads,
     s_kt, s_kh, s_kd, s_vt, s_vh, s_vd,
     s_blk, s_pos, s_head, s_byte,
-    fp8_max,
-    D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    FP8_MAX: tl.constexpr, D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     KEY_FP8: tl.constexpr, KEY_BITS: tl.constexpr, KEY_CODE_BYTES: tl.constexpr,
     VALUE_BITS: tl.constexpr, VALUE_OFFSET: tl.constexpr, VALUE_CODE_BYTES: tl.constexpr, PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
@@ -81,7 +80,7 @@ def _kv_write_kernel(
     k = tl.load(key_ptr + tok[:, None].to(tl.int64) * s_kt + head[:, None] * s_kh + d[None, :] * s_kd,
                 mask=keep[:, None], other=0.0).to(tl.float32)
     if KEY_FP8:
-        k8 = _fp8e4m3_bits(tl.minimum(tl.maximum(k, -fp8_max), fp8_max)).to(tl.uint8)
+        k8 = _fp8e4m3_bits(tl.minimum(tl.maximum(k, -FP8_MAX), FP8_MAX)).to(tl.uint8)
         tl.store(cache_ptr + base[:, None] + d[None, :] * s_byte, k8, mask=keep[:, None])
     else:
         norm = tl.sqrt_rn(tl.sum(k * k, axis=1))
@@ -114,9 +113,10 @@ def _kv_write_kernel(
 
 
 def kv_write(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
-             preset: Preset, rotation: torch.Tensor, midpoints: torch.Tensor) -> None:
+             preset: Preset, rotation: torch.Tensor, midpoints: torch.Tensor, launch=None) -> None:
     """key, value [T, Hk, D]; kv_cache u8 [NB, BS, Hk, S] (any strides); slot_mapping int [T].
-    rotation: fp32 [D, D] contiguous; midpoints: fp32 [2^key_bits - 1] (unused for fp8 keys)."""
+    rotation: fp32 [D, D] contiguous; midpoints: fp32 [2^key_bits - 1] (unused for fp8 keys).
+    launch: wraps the kernel before its launch (``torch.library.wrap_triton`` when traced for Inductor)."""
     tokens, heads, dim = key.shape
     rows = tokens * heads
     if rows == 0:
@@ -125,12 +125,12 @@ def kv_write(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slo
     block_r = min(dim, 64)
     pad = preset.slot_bytes - preset.key_bytes - preset.value_bytes
     grid = (triton.cdiv(rows, block_m),)
-    _kv_write_kernel[grid](
+    kernel = _kv_write_kernel if launch is None else launch(_kv_write_kernel)
+    kernel[grid](
         key, value, kv_cache, slot_mapping, rotation, midpoints,
         rows, heads,
         *key.stride(), *value.stride(), *kv_cache.stride(),
-        FP8_MAX,
-        D=dim, BLOCK_SIZE=kv_cache.shape[1],
+        FP8_MAX=FP8_MAX, D=dim, BLOCK_SIZE=kv_cache.shape[1],
         KEY_FP8=preset.key_fp8, KEY_BITS=preset.key_bits, KEY_CODE_BYTES=preset.key_code_bytes,
         VALUE_BITS=preset.value_bits, VALUE_OFFSET=preset.key_bytes, VALUE_CODE_BYTES=preset.value_code_bytes,
         PAD=pad,

@@ -172,6 +172,26 @@ def test_stream_kernel_matches_reference(preset_name, dim, variant):
     torch.testing.assert_close(out.float(), expected.float(), **_tolerance(torch.float16))
 
 
+def test_launchers_run_through_wrap_triton():
+    """The launch hook that lets Inductor trace the kernels (``torch.library.wrap_triton``; see
+    lowerings/inductor_ops.py) launches the same kernels: the attention and the cache bytes are unchanged."""
+    from torch.library import wrap_triton
+
+    from tqkv_compile.lowerings.triton_kv_write import kv_write
+
+    preset = get_preset("turboquant_4bit_nc", 64)
+    out, expected = _attention_both(preset, 4, torch.float16, [1, 2], [30, 21], seed=11, kernel="stream",
+                                    launch=wrap_triton)
+    torch.testing.assert_close(out.float(), expected.float(), **_tolerance(torch.float16))
+    key, value = torch.randn(9, KV_HEADS, 64), torch.randn(9, KV_HEADS, 64)
+    slots = torch.arange(9) * 3
+    plain, wrapped = _strided_cache(preset, 4, fill=0), _strided_cache(preset, 4, fill=0)
+    rotation, _, midpoints = get_backend("triton").tables(preset, key.device)
+    kv_write(key, value, plain, slots, preset, rotation, midpoints)
+    kv_write(key, value, wrapped, slots, preset, rotation, midpoints, launch=wrap_triton)
+    assert torch.equal(plain, wrapped) and bool(plain.any())
+
+
 def test_split_kv_merge_handles_empty_splits():
     preset = get_preset("turboquant_k3v4_nc", 64)
     # 7 splits over lengths 2 and 90: most of the short sequence's splits are empty
