@@ -45,11 +45,13 @@ def _fp8e4m3_bits(x):
 @triton.jit
 def _store_packed(cache_ptr, byte_addr, s_byte, codes, keep,
                   BITS: tl.constexpr, BLOCK_M: tl.constexpr, WIDTH: tl.constexpr):
-    """Pack int32 codes [BLOCK_M, WIDTH] (code i at bit i * BITS) and store WIDTH * BITS / 8 bytes per row."""
+    """Pack int32 codes [BLOCK_M, WIDTH] (code i at bit i * BITS, BITS <= 8) and store WIDTH * BITS / 8 bytes
+    per row."""
     groups = tl.reshape(codes, (BLOCK_M, WIDTH // 8, 8)).to(tl.int64)
     shifts = (tl.arange(0, 8) * BITS).to(tl.int64)
     word = tl.sum(groups << shifts[None, None, :], axis=2)  # 8 codes -> BITS bytes
-    j = tl.arange(0, 4)
+    BYTES: tl.constexpr = 4 if BITS <= 4 else 8
+    j = tl.arange(0, BYTES)
     out = ((word[:, :, None] >> (8 * j).to(tl.int64)[None, None, :]) & 0xFF).to(tl.uint8)
     g = tl.arange(0, WIDTH // 8)
     offs = (g[None, :, None] * BITS + j[None, None, :]) * s_byte

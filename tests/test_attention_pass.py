@@ -104,3 +104,21 @@ def test_an_unknown_vllm_version_leaves_the_graph_and_says_so(monkeypatch):
 def test_uuid_is_a_stable_string_covering_the_pass_sources():
     a, b = TqkvAttentionRewritePass().uuid(), TqkvAttentionRewritePass().uuid()
     assert isinstance(a, str) and a == b and len(a) >= 32
+
+
+def test_a_preset_of_ours_rides_only_on_its_vllm_preset(monkeypatch):
+    import tqkv_compile.vllm as tqkv_vllm
+
+    monkeypatch.delenv("TQKV_PRESET", raising=False)
+    monkeypatch.delenv("TQKV_ENABLE", raising=False)
+    with pytest.raises(ValueError, match="not a preset of tqkv's"):
+        tqkv_vllm.enable("turboquant_4bit_nc")  # vLLM's presets are chosen by kv_cache_dtype
+    assert serving.stored_preset("turboquant_4bit_nc") == "turboquant_4bit_nc"
+    tqkv_vllm.enable("tqkv_k5v3")
+    assert serving.layer_fit(turboquant_layer()) is None
+    assert serving.stored_preset("turboquant_4bit_nc") == "tqkv_k5v3"
+    reason = serving.layer_fit(turboquant_layer(kv_cache_dtype="turboquant_k8v4"))
+    assert reason == "tqkv preset 'tqkv_k5v3' rides on 'turboquant_4bit_nc', not on this layer's 'turboquant_k8v4'"
+    assert serving.stored_preset("turboquant_k8v4") == "turboquant_k8v4"
+    monkeypatch.setenv("TQKV_PRESET", "tqkv_nope")
+    assert "is unknown (TQKV_PRESET)" in serving.layer_fit(turboquant_layer())

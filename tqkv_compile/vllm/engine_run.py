@@ -61,11 +61,13 @@ def run(args: argparse.Namespace) -> dict:
     )
     if args.tqkv and args.tqkv_via == "plugin":
         os.environ["TQKV_ENABLE"] = "1"  # nothing else: the vllm.general_plugins entry point does the rest
+        if args.tqkv_preset:
+            os.environ["TQKV_PRESET"] = args.tqkv_preset
     elif args.tqkv:
         if args.mode == "compiled":
-            kwargs["compilation_config"] = tqkv_vllm.compilation_config()
+            kwargs["compilation_config"] = tqkv_vllm.compilation_config(preset=args.tqkv_preset)
         else:
-            tqkv_vllm.enable()
+            tqkv_vllm.enable(args.tqkv_preset)
     if args.init_std > 0:
         scaled_dummy_weights(args.init_std)
     started = time.perf_counter()
@@ -101,6 +103,7 @@ def run(args: argparse.Namespace) -> dict:
         "mode": args.mode,
         "tqkv": args.tqkv,
         "kv_cache_dtype": args.kv_cache_dtype,
+        "tqkv_preset": args.tqkv_preset,
         "dtype": args.dtype,
         "start_s": round(start_s, 2),
         "decode_tok_s": round(args.prompts * (args.new_tokens - 1) / decode_s, 1),
@@ -124,6 +127,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tqkv", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--tqkv-via", choices=("config", "plugin"), default="config",
                    help="enable tqkv through compilation_config() / enable(), or only TQKV_ENABLE=1 and the plugin")
+    p.add_argument("--tqkv-preset", default=None, help="a preset of ours, stored in the kv cache dtype's caches")
     p.add_argument("--prompts", type=int, default=4)
     p.add_argument("--prompt-len", type=int, default=40)
     p.add_argument("--new-tokens", type=int, default=24)

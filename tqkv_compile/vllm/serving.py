@@ -7,13 +7,14 @@ unrewritten graph). Counts which layers each path served, and records why a laye
 from __future__ import annotations
 
 import logging
+import os
 from collections import Counter
 from typing import Any
 
 import torch
 
 import tqkv_compile  # noqa: F401  (registers torch.ops.tqkv.*)
-from tqkv_compile.codec import PRESETS, SUPPORTED_HEAD_DIMS, get_preset
+from tqkv_compile.codec import OWN_PRESETS, PRESETS, SUPPORTED_HEAD_DIMS, get_preset
 from tqkv_compile.vllm import adapter
 
 logger = logging.getLogger("vllm.tqkv_compile")  # vLLM's log handler and format
@@ -22,6 +23,20 @@ logger = logging.getLogger("vllm.tqkv_compile")  # vLLM's log handler and format
 fallbacks: dict[str, str] = {}
 #: (path, layer name) -> calls served; path is "compiled" (wrapper ops) or "impl" (our attention impl)
 served: Counter = Counter()
+
+
+def own_preset() -> str | None:
+    """The preset of ours asked for (``TQKV_PRESET``, set by ``enable(preset=...)``), or None."""
+    return os.environ.get("TQKV_PRESET") or None
+
+
+def stored_preset(cache_dtype: str) -> str:
+    """The preset tqkv stores in a cache of vLLM's ``cache_dtype``: the preset of ours asked for where it rides
+    on that dtype, else the dtype's own preset."""
+    own = own_preset()
+    if own in OWN_PRESETS and OWN_PRESETS[own].rides_on == cache_dtype:
+        return own
+    return cache_dtype
 
 
 def layer_fit(layer: Any) -> str | None:
@@ -36,6 +51,11 @@ def layer_fit(layer: Any) -> str | None:
         return f"kv cache dtype {dtype!r} is not TurboQuant"
     if dtype not in PRESETS:
         return f"TurboQuant preset {dtype!r} is unknown to tqkv_compile"
+    own = own_preset()
+    if own is not None and stored_preset(dtype) != own:
+        host = OWN_PRESETS[own].rides_on if own in OWN_PRESETS else None
+        return (f"tqkv preset {own!r} rides on {host!r}, not on this layer's {dtype!r}" if host
+                else f"tqkv preset {own!r} is unknown (TQKV_PRESET); presets of ours: {', '.join(OWN_PRESETS)}")
     impl = getattr(layer, "impl", None)
     head_size = getattr(layer, "head_size", None) or getattr(impl, "head_size", None)
     if head_size not in SUPPORTED_HEAD_DIMS:
@@ -75,7 +95,7 @@ def record_fallback(name: str, reason: str) -> None:
 
 
 def _preset_and_cache(layer: Any, kv_cache: torch.Tensor):
-    preset = get_preset(layer.kv_cache_dtype, layer.impl.head_size)
+    preset = get_preset(stored_preset(layer.kv_cache_dtype), layer.impl.head_size)
     return preset, adapter.slot_view(kv_cache, layer.impl.num_kv_heads, preset.slot_bytes)
 
 
