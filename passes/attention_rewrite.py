@@ -72,6 +72,7 @@ class TqkvAttentionRewritePass(adapter.inductor_pass_base()):
             logger.warning("tqkv: graph pass failed, graph left as vLLM made it: %s", last_report.error)
         if before is not None:
             _dump(before, graph)
+        serving.write_report(last_report.rewritten)
 
     def _rewrite(self, graph: torch.fx.Graph, report: PassReport) -> None:
         attention = [n for n in graph.nodes if _is_attention(n)]

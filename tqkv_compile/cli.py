@@ -1,4 +1,4 @@
-"""The ``tqkv`` command: ``demo``, ``inspect``, ``bench kernels``."""
+"""The ``tqkv`` command: ``demo``, ``inspect``, ``quality``, ``bench kernels``, ``bench e2e``."""
 
 from __future__ import annotations
 
@@ -25,6 +25,7 @@ def main(argv: list[str] | None = None) -> int:
     bench = commands.add_parser("bench", help="benchmarks (GPU)")
     bench_kinds = bench.add_subparsers(dest="kind", required=True)
     bench_kinds.add_parser("kernels", help="per-layer kernel timings against FA3 and vLLM's TurboQuant", add_help=False)
+    bench_kinds.add_parser("e2e", help="the vLLM engine's decode tokens/s per cache configuration", add_help=False)
 
     args, rest = parser.parse_known_args(argv)
     if args.command == "demo":
@@ -39,6 +40,10 @@ def main(argv: list[str] | None = None) -> int:
         if rest:
             parser.error(f"unrecognized arguments: {' '.join(rest)}")
         return demo.inspect(args)
+    if args.kind == "e2e":
+        from tqkv_compile import bench_e2e
+
+        return bench_e2e.main(rest)
     from tqkv_compile import bench_kernels
 
     return bench_kernels.main(rest)

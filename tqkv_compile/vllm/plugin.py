@@ -28,6 +28,11 @@ def register() -> None:
         _done = True
         return
     adapter.override_attention_backend()
+    std = os.environ.get("TQKV_DUMMY_WEIGHT_STD")
+    if std:  # harness hook (engine_run, tests): the same scaled dummy weights in every worker process
+        from tqkv_compile.vllm.engine_run import scaled_dummy_weights
+
+        scaled_dummy_weights(float(std))
     if not adapter.on_cuda():
         import torch._inductor.config as inductor_config
 

