@@ -186,6 +186,31 @@ def _row_context(row, qsl_ptr, seq_lens_ptr, num_seqs, SEARCH_STEPS: tl.constexp
 
 
 @triton.jit
+def _split_span(row, kv_head, split, qsl_ptr, seq_lens_ptr, num_seqs, GROUP: tl.constexpr, BLOCK_H: tl.constexpr,
+                BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, SEARCH_STEPS: tl.constexpr):
+    """One split program's work: (seq, begin, end, q_heads [BLOCK_H], part [BLOCK_H], head_ok [BLOCK_H]) —
+    its sequence, the positions [begin, end) of its split (whole tiles), its query heads and their rows in
+    the partial outputs. Callers store -inf partials and return when begin >= end."""
+    seq, length = _row_context(row, qsl_ptr, seq_lens_ptr, num_seqs, SEARCH_STEPS)
+    per_split = tl.cdiv(tl.cdiv(length, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    begin = split * per_split
+    end = tl.minimum(begin + per_split, length)
+    h = tl.arange(0, BLOCK_H)
+    q_heads = kv_head * GROUP + h
+    part = (row * (GROUP * tl.num_programs(1)) + q_heads) * NUM_SPLITS + split
+    return seq, begin, end, q_heads, part, h < GROUP
+
+
+@triton.jit
+def _softmax_step(scores, m_i, l_i):
+    """Online softmax in base 2 over one tile of scores [BLOCK_H, N]: (p, alpha, new max, new sum)."""
+    m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(scores - m_new[:, None])
+    return p, alpha, m_new, l_i * alpha + tl.sum(p, axis=1)
+
+
+@triton.jit
 def _decode_split_kernel(
     q_ptr, cache_ptr, block_table_ptr, seq_lens_ptr, qsl_ptr, cent_ptr, part_out_ptr, part_lse_ptr,
     num_seqs,
@@ -202,15 +227,8 @@ def _decode_split_kernel(
     split = tl.program_id(2)
     DTYPE: tl.constexpr = tl.float32 if DOT_FP32 else tl.float16
 
-    seq, length = _row_context(row, qsl_ptr, seq_lens_ptr, num_seqs, SEARCH_STEPS)
-    per_split = tl.cdiv(tl.cdiv(length, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    begin = split * per_split
-    end = tl.minimum(begin + per_split, length)
-
-    h = tl.arange(0, BLOCK_H)
-    q_heads = kv_head * GROUP + h
-    part = (row * (GROUP * tl.num_programs(1)) + q_heads) * NUM_SPLITS + split  # [BLOCK_H]
-    head_ok = h < GROUP
+    seq, begin, end, q_heads, part, head_ok = _split_span(row, kv_head, split, qsl_ptr, seq_lens_ptr, num_seqs, GROUP,
+                                                          BLOCK_H, BLOCK_N, NUM_SPLITS, SEARCH_STEPS)
     if begin >= end:
         tl.store(part_lse_ptr + part, tl.full((BLOCK_H,), float("-inf"), tl.float32), mask=head_ok)
         return
@@ -237,11 +255,7 @@ def _decode_split_kernel(
         scores = _key_scores(q_a, q_b, cache_ptr, cent_ptr, base, valid, s_byte, D, KEY_FP8, KEY_BITS,
                              KEY_CODE_BYTES, NORM_CORRECTION, GATHER, DTYPE, "ieee" if DOT_FP32 else None)
         scores = tl.where(valid[None, :], scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(scores - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        m_i = m_new
+        p, alpha, m_i, l_i = _softmax_step(scores, m_i, l_i)
 
         vbase = base + VALUE_OFFSET * s_byte
         vscale = _load_fp16(cache_ptr, vbase + VALUE_CODE_BYTES * s_byte, valid)
@@ -348,15 +362,8 @@ def _decode_words_kernel(
     PRECISION: tl.constexpr = "ieee" if DOT_FP32 else None
     wptr = cache_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
 
-    seq, length = _row_context(row, qsl_ptr, seq_lens_ptr, num_seqs, SEARCH_STEPS)
-    per_split = tl.cdiv(tl.cdiv(length, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    begin = split * per_split
-    end = tl.minimum(begin + per_split, length)
-
-    h = tl.arange(0, BLOCK_H)
-    q_heads = kv_head * GROUP + h
-    part = (row * (GROUP * tl.num_programs(1)) + q_heads) * NUM_SPLITS + split  # [BLOCK_H]
-    head_ok = h < GROUP
+    seq, begin, end, q_heads, part, head_ok = _split_span(row, kv_head, split, qsl_ptr, seq_lens_ptr, num_seqs, GROUP,
+                                                          BLOCK_H, BLOCK_N, NUM_SPLITS, SEARCH_STEPS)
     if begin >= end:
         tl.store(part_lse_ptr + part, tl.full((BLOCK_H,), float("-inf"), tl.float32), mask=head_ok)
         return
@@ -404,11 +411,7 @@ def _decode_words_kernel(
                 factor = factor / tl.sqrt(tl.sum(cent * cent, axis=1) + 1e-16)
             scores = scores * factor[None, :]
         scores = tl.where(valid[None, :], scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(scores - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        m_i = m_new
+        p, alpha, m_i, l_i = _softmax_step(scores, m_i, l_i)
 
         # ---- values
         vbase = base + VALUE_OFFSET
@@ -557,15 +560,8 @@ def _decode_stream_kernel(
     vptr = cache_ptr.to(tl.pointer_type(tl.int32 if VALUE_WORD == 4 else tl.int16), bitcast=True)
     hptr = cache_ptr.to(tl.pointer_type(tl.float16), bitcast=True)
 
-    seq, length = _row_context(row, qsl_ptr, seq_lens_ptr, num_seqs, SEARCH_STEPS)
-    per_split = tl.cdiv(tl.cdiv(length, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    begin = split * per_split
-    end = tl.minimum(begin + per_split, length)
-
-    h = tl.arange(0, BLOCK_H)
-    q_heads = kv_head * GROUP + h
-    part = (row * (GROUP * tl.num_programs(1)) + q_heads) * NUM_SPLITS + split  # [BLOCK_H]
-    head_ok = h < GROUP
+    seq, begin, end, q_heads, part, head_ok = _split_span(row, kv_head, split, qsl_ptr, seq_lens_ptr, num_seqs, GROUP,
+                                                          BLOCK_H, BLOCK_N, NUM_SPLITS, SEARCH_STEPS)
     if begin >= end:
         tl.store(part_lse_ptr + part, tl.full((BLOCK_H,), float("-inf"), tl.float32), mask=head_ok)
         return
@@ -633,11 +629,7 @@ def _decode_stream_kernel(
             else:
                 scores = scores * knorm[None, :]
         scores = tl.where(valid[None, :], scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(scores - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        m_i = m_new
+        p, alpha, m_i, l_i = _softmax_step(scores, m_i, l_i)
 
         # ---- values: P.V = (P * scale) . (1024 + code) + P . (zero - 1024 * scale)
         ps = (p * vscale[None, :]).to(DTYPE)

@@ -29,8 +29,9 @@ import triton.language as tl
 
 from tqkv_compile import lloyd_max
 from tqkv_compile.codec import FP8_MAX, Preset
-from tqkv_compile.lowerings.triton_attention import LOG2E, _load_fp16, _merge_kernel, _row_context, num_splits
-from tqkv_compile.lowerings.triton_kv_write import _fp8e4m3_bits, _store_fp16, _store_packed
+from tqkv_compile.lowerings.triton_attention import (LOG2E, _load_fp16, _merge_kernel, _softmax_step, _split_span,
+                                                      num_splits)
+from tqkv_compile.lowerings.triton_kv_write import _fp8e4m3_bits, _store_fp16, _store_packed, _write_rows
 
 CHUNK = 16  # rotation / packing chunk: divides every wide run (a multiple of 16 coordinates at head >= 64)
 
@@ -105,14 +106,7 @@ def _general_kv_write_kernel(
     KM: tl.constexpr, KMW: tl.constexpr, VM: tl.constexpr, VMW: tl.constexpr,
     BLOCK_M: tl.constexpr,
 ):
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    in_range = rows < n_rows
-    tok = rows // num_kv_heads
-    head = rows % num_kv_heads
-    slot = tl.load(slot_ptr + tok, mask=in_range, other=-1).to(tl.int64)
-    keep = in_range & (slot >= 0)
-    slot = tl.where(keep, slot, 0)
-    base = (slot // BLOCK_SIZE) * s_blk + (slot % BLOCK_SIZE) * s_pos + head.to(tl.int64) * s_head
+    tok, head, keep, base = _write_rows(slot_ptr, n_rows, num_kv_heads, s_blk, s_pos, s_head, BLOCK_SIZE, BLOCK_M)
     d = tl.arange(0, D)
 
     k = tl.load(key_ptr + tok[:, None].to(tl.int64) * s_kt + head[:, None] * s_kh + d[None, :] * s_kd,
@@ -139,7 +133,7 @@ def _general_kv_write_kernel(
                               VALUE_WIDE, VM, VMW, D, BLOCK_M)
     _store_fp16(cache_ptr, base + (VALUE_OFFSET + VALUE_CODE_BYTES) * s_byte, vnorm, keep)
     if PAD:
-        tl.store(cache_ptr + base + (VALUE_OFFSET + VALUE_CODE_BYTES + 2) * s_byte, tl.zeros_like(slot).to(tl.uint8),
+        tl.store(cache_ptr + base + (VALUE_OFFSET + VALUE_CODE_BYTES + 2) * s_byte, tl.zeros_like(tok).to(tl.uint8),
                  mask=keep)
 
 
@@ -228,15 +222,9 @@ def _general_decode_kernel(
     DTYPE: tl.constexpr = tl.float32 if DOT_FP32 else tl.float16
     PRECISION: tl.constexpr = "ieee" if DOT_FP32 else None
 
-    seq, length = _row_context(row, qsl_ptr, seq_lens_ptr, num_seqs, SEARCH_STEPS)
-    per_split = tl.cdiv(tl.cdiv(length, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    begin = split * per_split
-    end = tl.minimum(begin + per_split, length)
-    h = tl.arange(0, BLOCK_H)
-    q_heads = kv_head * GROUP + h
+    seq, begin, end, q_heads, part, head_ok = _split_span(row, kv_head, split, qsl_ptr, seq_lens_ptr, num_seqs, GROUP,
+                                                          BLOCK_H, BLOCK_N, NUM_SPLITS, SEARCH_STEPS)
     heads = GROUP * tl.num_programs(1)
-    part = (row * heads + q_heads) * NUM_SPLITS + split
-    head_ok = h < GROUP
     if begin >= end:
         tl.store(part_lse_ptr + part, tl.full((BLOCK_H,), float("-inf"), tl.float32), mask=head_ok)
         return
@@ -258,11 +246,7 @@ def _general_decode_kernel(
         scores = _scores(q, q_raw_row, q_heads, head_ok, cache_ptr, cent_ptr, rot_ptr, base, valid, s_byte, D,
                          KEY_BITS, KEY_WIDE, KEY_CODE_BYTES, OUTLIERS, KC, KCW, DTYPE, PRECISION)
         scores = tl.where(valid[None, :], scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(scores - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        m_i = m_new
+        p, alpha, m_i, l_i = _softmax_step(scores, m_i, l_i)
         unit = _unit_vectors(cache_ptr, cent_ptr, base, valid, s_byte, VALUE_OFFSET, VALUE_BITS, VALUE_WIDE, VC,
                              VCW, D)
         vnorm = _load_fp16(cache_ptr, base + (VALUE_OFFSET + VALUE_CODE_BYTES) * s_byte, valid)

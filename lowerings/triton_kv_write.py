@@ -59,6 +59,21 @@ def _store_packed(cache_ptr, byte_addr, s_byte, codes, keep,
 
 
 @triton.jit
+def _write_rows(slot_ptr, n_rows, num_kv_heads, s_blk, s_pos, s_head, BLOCK_SIZE: tl.constexpr,
+                BLOCK_M: tl.constexpr):
+    """This program's (token, kv head) rows: (token, head, keep, slot byte offset), keep false past the last
+    row and for skipped slots (< 0)."""
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    in_range = rows < n_rows
+    tok = rows // num_kv_heads
+    head = rows % num_kv_heads
+    slot = tl.load(slot_ptr + tok, mask=in_range, other=-1).to(tl.int64)
+    keep = in_range & (slot >= 0)
+    slot = tl.where(keep, slot, 0)
+    return tok, head, keep, (slot // BLOCK_SIZE) * s_blk + (slot % BLOCK_SIZE) * s_pos + head.to(tl.int64) * s_head
+
+
+@triton.jit
 def _kv_write_kernel(
     key_ptr, value_ptr, cache_ptr, slot_ptr, rot_ptr, mid_ptr,
     n_rows, num_kv_heads,
@@ -69,14 +84,7 @@ def _kv_write_kernel(
     VALUE_BITS: tl.constexpr, VALUE_OFFSET: tl.constexpr, VALUE_CODE_BYTES: tl.constexpr, PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
 ):
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    in_range = rows < n_rows
-    tok = rows // num_kv_heads
-    head = rows % num_kv_heads
-    slot = tl.load(slot_ptr + tok, mask=in_range, other=-1).to(tl.int64)
-    keep = in_range & (slot >= 0)
-    slot = tl.where(keep, slot, 0)
-    base = (slot // BLOCK_SIZE) * s_blk + (slot % BLOCK_SIZE) * s_pos + head.to(tl.int64) * s_head
+    tok, head, keep, base = _write_rows(slot_ptr, n_rows, num_kv_heads, s_blk, s_pos, s_head, BLOCK_SIZE, BLOCK_M)
 
     d = tl.arange(0, D)
     k = tl.load(key_ptr + tok[:, None].to(tl.int64) * s_kt + head[:, None] * s_kh + d[None, :] * s_kd,
@@ -111,7 +119,7 @@ def _kv_write_kernel(
     _store_fp16(cache_ptr, vbase + VALUE_CODE_BYTES * s_byte, scale, keep)
     _store_fp16(cache_ptr, vbase + (VALUE_CODE_BYTES + 2) * s_byte, low, keep)
     if PAD:
-        tl.store(cache_ptr + vbase + (VALUE_CODE_BYTES + 4) * s_byte, tl.zeros_like(slot).to(tl.uint8), mask=keep)
+        tl.store(cache_ptr + vbase + (VALUE_CODE_BYTES + 4) * s_byte, tl.zeros_like(tok).to(tl.uint8), mask=keep)
 
 
 def kv_write(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
