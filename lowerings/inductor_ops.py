@@ -40,7 +40,7 @@ def tables(preset_name: str, head_dim: int, device: torch.device) -> dict[str, t
 
     preset = get_preset(preset_name, head_dim)
     rotation, centroids, midpoints = get_backend("triton").tables(preset, torch.device(device))
-    key_lut, value_lut = lut_tables(centroids)
+    key_lut, value_lut = lut_tables(preset, torch.device(device))
     return dict(rotation=rotation, centroids=centroids, midpoints=midpoints, key_lut=key_lut, value_lut=value_lut)
 
 

@@ -748,7 +748,8 @@ def stream_words(preset: Preset, kv_cache: torch.Tensor, asm: bool) -> tuple[int
     return key_word, value_word, asm
 
 
-_LUTS: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+_LUTS: dict[tuple[str, int, str], tuple[torch.Tensor, torch.Tensor]] = {}
+_ORDERS: dict[tuple[str, int, str], torch.Tensor] = {}
 
 
 def _lut_words(table: torch.Tensor) -> torch.Tensor:
@@ -759,33 +760,24 @@ def _lut_words(table: torch.Tensor) -> torch.Tensor:
     return torch.tensor([w - (1 << 32) if w >= 1 << 31 else w for w in words], dtype=torch.int32)
 
 
-def lut_tables(centroids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(key table, value table) for :func:`_lut4_fp16` on centroids' device, built once per table: the
-    16 key centroids in fp16 (a placeholder for fp8 keys), and fp16 1024 + c for 4-bit value codes."""
-    key = (centroids.data_ptr(), centroids.device.index or 0)
+def lut_tables(preset: Preset, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(key table, value table) for :func:`_lut4_fp16` on ``device``, built once (from the CPU tables, so no
+    device-to-host copy): the 16 key centroids in fp16 (a placeholder for fp8 keys), fp16 1024 + c for 4-bit
+    value codes. Built before CUDA-graph capture by ``TritonBackend.warm``."""
+    key = (preset.name, preset.head_dim, str(device))
     if key not in _LUTS:
-        cents = centroids.float().cpu() if centroids.numel() == 16 else torch.zeros(16)
-        # the centroids tensor is kept alive with its tables, so its address cannot be reused by another
-        _LUTS[key] = (centroids, _lut_words(cents).to(centroids.device),
-                      _lut_words(1024.0 + torch.arange(16, dtype=torch.float32)).to(centroids.device))
-    return _LUTS[key][1:]
+        cents = preset.centroids("cpu").float() if not preset.key_fp8 and preset.key_bits == 4 else torch.zeros(16)
+        _LUTS[key] = (_lut_words(cents).to(device),
+                      _lut_words(1024.0 + torch.arange(16, dtype=torch.float32)).to(device))
+    return _LUTS[key]
 
 
-def default_kernel(preset: Preset, programs: int, kv_cache: torch.Tensor, device: torch.device,
-                   centroid_gather: bool = False) -> str:
-    """The kernel measured fastest on the H200 (bench/results/h200-kernels-notes.md): the stream kernel
-    wherever it can read the cache (fp8 or 4-bit keys with 4-bit values: k8v4, 4bit_nc); for 3-bit fields
-    the word kernel when (row, kv head) programs fill the GPU twice over (3-bit values), the byte kernel
-    otherwise (under the interpreter: the word kernel wherever it applies, so that tests cover it)."""
-    if centroid_gather:
-        return "bytes"
-    if stream_words(preset, kv_cache, asm=device.type == "cuda") is not None:
-        return "stream"
-    if not _words_ok(kv_cache) or preset.key_fp8 or (preset.key_bits != 4 and preset.value_bits != 3):
-        return "bytes"
-    if device.type == "cpu" or programs >= 2 * _sm_count(device):
-        return "words"
-    return "bytes"
+def column_order(preset: Preset, device: torch.device) -> torch.Tensor:
+    """:func:`key_column_order` on ``device``, built once (no host-to-device copy per call)."""
+    key = (preset.name, preset.head_dim, str(device))
+    if key not in _ORDERS:
+        _ORDERS[key] = key_column_order(preset, preset.head_dim).to(device)
+    return _ORDERS[key]
 
 
 def _plain_launch(kernel):
@@ -844,7 +836,7 @@ def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: t
             raise ValueError(f"the stream kernel cannot read {preset.name} from this cache view")
         q = query.float() if preset.key_fp8 else torch.matmul(query.float(), rotation)
         q = q * (scale * LOG2E)
-        key_lut, value_lut = luts if luts is not None else lut_tables(centroids)
+        key_lut, value_lut = luts if luts is not None else lut_tables(preset, query.device)
         launch(_decode_stream_kernel)[(rows, kv_heads, splits)](
             q, kv_cache, block_table, seq_lens, query_start_loc, centroids, key_lut, value_lut, part_out, part_lse,
             num_seqs, *q.stride(), *block_table.stride(), *kv_cache.stride()[:3],
@@ -858,7 +850,7 @@ def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: t
     elif kernel == "words":
         # The query, rotated (Lloyd-Max keys), permuted to the key tile's column order and scaled once,
         # log2(e) folded in for exp2: one small matmul (the permutation rides in the rotation matrix).
-        order = key_column_order(preset, dim).to(query.device)
+        order = column_order(preset, query.device)
         if preset.key_fp8:
             q = query.float()[..., order] * (scale * LOG2E)
         else:

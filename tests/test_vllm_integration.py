@@ -37,6 +37,7 @@ def engine(model: str, *argv: str, dump: bool = False, env_extra: tuple = ()) ->
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", **dict(env_extra))
     env.pop("TRITON_INTERPRET", None)
     env.pop("TQKV_ENABLE", None)
+    env.pop("TQKV_PRESET", None)
     proc = subprocess.run(args, capture_output=True, text=True, env=env, timeout=900)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("TQKV_RESULT ")]
     assert proc.returncode == 0 and lines, f"engine run failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"

@@ -73,6 +73,18 @@ class TritonBackend:
             self._tables[key] = (rotation, centroids, midpoints)
         return self._tables[key]
 
+    def warm(self, preset: Preset, device: torch.device) -> None:
+        """Build every table the kernels read for ``preset`` on ``device`` now (vLLM calls this before CUDA-graph
+        capture, where host-to-device copies are not allowed)."""
+        if preset.spec.vllm_name is None:
+            self._general_tables(preset, device)
+            return
+        from tqkv_compile.lowerings.triton_attention import column_order, lut_tables
+
+        self.tables(preset, device)
+        lut_tables(preset, device)
+        column_order(preset, device)
+
     def kv_write(self, key, value, kv_cache, slot_mapping, preset: Preset) -> None:
         if preset.spec.vllm_name is None:
             from tqkv_compile.lowerings import triton_general

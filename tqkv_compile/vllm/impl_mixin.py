@@ -10,6 +10,12 @@ from tqkv_compile.vllm import serving
 class TqkvImplMixin:
     """Mixed in front of a vLLM attention impl class (see cpu_backend / cuda_backend)."""
 
+    def process_weights_after_loading(self, act_dtype):
+        parent = getattr(super(), "process_weights_after_loading", None)
+        if parent is not None:
+            parent(act_dtype)
+        serving.prepare(self)  # tables on the GPU before CUDA-graph capture
+
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping):
         if not serving.serves(layer):
             return super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)

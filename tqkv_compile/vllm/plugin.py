@@ -28,6 +28,9 @@ def register() -> None:
         _done = True
         return
     adapter.override_attention_backend()
+    from tqkv_compile.vllm import wrapper_ops
+
+    wrapper_ops.register()  # a graph loaded from vLLM's compile cache calls them without the pass running
     std = os.environ.get("TQKV_DUMMY_WEIGHT_STD")
     if std:  # harness hook (engine_run, tests): the same scaled dummy weights in every worker process
         from tqkv_compile.vllm.engine_run import scaled_dummy_weights

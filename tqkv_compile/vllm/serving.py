@@ -107,6 +107,26 @@ def _preset_and_cache(layer: Any, kv_cache: torch.Tensor):
     return preset, adapter.slot_view(kv_cache, layer.impl.num_kv_heads, preset.slot_bytes)
 
 
+def prepare(impl: Any) -> None:
+    """Build the tables the ops will need for this impl's layers on the current device, before vLLM captures
+    CUDA graphs (a host-to-device copy inside capture fails). Called from our impl's
+    ``process_weights_after_loading``; a no-op off CUDA or for caches tqkv does not serve."""
+    dtype = getattr(impl, "kv_cache_dtype", None)
+    head_size = getattr(impl, "head_size", None)
+    if not torch.cuda.is_available() or not adapter.is_turboquant_dtype(dtype) or dtype not in PRESETS:
+        return
+    if head_size not in SUPPORTED_HEAD_DIMS:
+        return
+    from tqkv_compile import backends
+
+    preset = get_preset(stored_preset(dtype), head_size)
+    device = torch.device("cuda", torch.cuda.current_device())
+    backend = backends.select_backend(device, preset)
+    warm = getattr(backend, "warm", None)
+    if warm is not None:
+        warm(preset, device)
+
+
 def write_kv(layer: Any, key, value, kv_cache: torch.Tensor, slot_mapping: torch.Tensor | None, path: str) -> None:
     """Quantize and store this step's K/V (vLLM's order: write, then attend)."""
     if slot_mapping is None:  # profiling run
@@ -122,7 +142,8 @@ def write_kv(layer: Any, key, value, kv_cache: torch.Tensor, slot_mapping: torch
 
 def attend(layer: Any, query: torch.Tensor, kv_cache: torch.Tensor, metadata: Any, output: torch.Tensor, path: str) -> None:
     """Attention over the packed cache, written into vLLM's output buffer."""
-    if metadata is None:  # profiling run: vLLM's own backends leave the output as is
+    if metadata is None:  # profiling / warm-up run: vLLM's TurboQuant impl returns zeros too
+        output.zero_()
         return
     preset, cache = _preset_and_cache(layer, kv_cache)
     block_table, seq_lens, query_start_loc, tokens = adapter.metadata_tensors(metadata)

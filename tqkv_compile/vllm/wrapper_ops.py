@@ -66,5 +66,6 @@ def register() -> None:
         vllm_unified_attention_with_output,
         vllm_unified_attention_with_output_fake,
         ["output", "output_block_scale"],
+        cudagraph_unsafe=True,
     )
     _registered = True
