@@ -780,6 +780,23 @@ def column_order(preset: Preset, device: torch.device) -> torch.Tensor:
     return _ORDERS[key]
 
 
+def default_kernel(preset: Preset, programs: int, kv_cache: torch.Tensor, device: torch.device,
+                   centroid_gather: bool = False) -> str:
+    """The kernel measured fastest on the H200 (bench/results/h200-kernels-notes.md): the stream kernel
+    wherever it can read the cache (fp8 or 4-bit keys with 4-bit values: k8v4, 4bit_nc); for 3-bit fields
+    the word kernel when (row, kv head) programs fill the GPU twice over (3-bit values), the byte kernel
+    otherwise (under the interpreter: the word kernel wherever it applies, so that tests cover it)."""
+    if centroid_gather:
+        return "bytes"
+    if stream_words(preset, kv_cache, asm=device.type == "cuda") is not None:
+        return "stream"
+    if not _words_ok(kv_cache) or preset.key_fp8 or (preset.key_bits != 4 and preset.value_bits != 3):
+        return "bytes"
+    if device.type == "cpu" or programs >= 2 * _sm_count(device):
+        return "words"
+    return "bytes"
+
+
 def _plain_launch(kernel):
     return kernel
 
