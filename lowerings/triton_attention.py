@@ -806,7 +806,7 @@ def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: t
                      rotation: torch.Tensor, centroids: torch.Tensor, *, splits: int | None = None,
                      block_n: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
                      centroid_gather: bool = False, kernel: str | None = None, sym: bool = True,
-                     prefetch: bool | None = None, nc_dot: bool | None = None, asm: bool = True,
+                     prefetch: bool = False, nc_dot: bool | None = None, asm: bool = True,
                      maxnreg: int | None = None, luts: tuple[torch.Tensor, torch.Tensor] | None = None,
                      launch=None) -> torch.Tensor:
     """query [T, Hq, D] -> out [T, Hq, D] (query dtype); see the module docstring and ops.attention.
@@ -827,11 +827,11 @@ def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: t
         kernel = default_kernel(preset, rows * kv_heads, kv_cache, query.device, centroid_gather)
     if block_n is None:  # the H200 sweeps' best (bench/results/h200-kernels-notes.md)
         block_n = 16 if interpret else (32 if kernel == "bytes" else 64)
+    # stream kernel: no hand prefetch (measured: the registers it holds cost more than it hides), registers
+    # capped on the GPU: 3 (4-bit keys) / 4 (fp8 keys) CTAs per SM without spills
+    prefetch = bool(prefetch)
     if kernel == "stream" and not interpret:
-        # no hand prefetch, registers capped: 3 (4-bit keys) / 4 (fp8 keys) CTAs per SM without spills
-        prefetch = False if prefetch is None else prefetch
         maxnreg = maxnreg or (128 if preset.key_fp8 else 168)
-    prefetch = True if prefetch is None else prefetch
     if nc_dot is None:
         nc_dot = kernel == "stream"
     if num_stages is None and kernel == "words" and preset.key_bits == 4:
