@@ -1,0 +1,88 @@
+"""Compile tqkv's decode kernels for sm_90a on a machine without a GPU and print what ptxas and the PTX say:
+registers, spill bytes, shared memory, and counts of the instructions that matter (shared-memory traffic,
+shuffles, selects, mma, global loads). Cheap checks before spending device time.
+
+    python bench/ptx_stats.py                       # the stream kernel's defaults for 4bit_nc and k8v4
+    python bench/ptx_stats.py --preset turboquant_4bit_nc --block-n 32 --warps 4 --maxnreg 128 --prefetch
+
+Needs Triton's bundled ptxas (any Triton wheel with the NVIDIA backend); the PTX version line is lowered to
+what that ptxas accepts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import re
+import subprocess
+import tempfile
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+import tqkv_compile
+from tqkv_compile.lowerings import triton_attention as ta
+
+PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+OPS = ("st.shared", "ld.shared", "shfl", "mma", "cp.async", "ld.global", "selp", "ldmatrix", "bar.sync", "cvt", "prmt")
+
+
+def stats(fn, signature: dict, constexprs: dict, num_warps: int, num_stages: int, maxnreg: int | None) -> dict:
+    options = dict(num_warps=num_warps, num_stages=num_stages, **({"maxnreg": maxnreg} if maxnreg else {}))
+    kernel = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs),
+                            target=GPUTarget("cuda", 90, 32), options=options)
+    ptx = kernel.asm["ptx"]
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "k.ptx")
+        with open(path, "w") as f:
+            f.write(re.sub(r"\.version \d+\.\d+", ".version 8.8", ptx, count=1))
+        out = subprocess.run([PTXAS, "-arch=sm_90a", "-v", path, "-o", os.path.join(tmp, "k.cubin")],
+                             capture_output=True, text=True).stderr
+    regs = re.search(r"Used (\d+) registers", out)
+    spill = re.search(r"(\d+) bytes spill stores", out)
+    counts = collections.Counter()
+    for line in ptx.splitlines():
+        m = re.match(r"\s*(?:@%p\d+\s+)?([a-z][\w.]*)", line)
+        if m:
+            counts.update(op for op in OPS if m.group(1).startswith(op))
+    return dict(registers=int(regs.group(1)) if regs else None, spill_bytes=int(spill.group(1)) if spill else None,
+                shared=kernel.metadata.shared, **counts)
+
+
+def stream_kernel(preset_name: str, dim: int, block_n: int, warps: int, maxnreg: int | None, prefetch: bool) -> dict:
+    p = tqkv_compile.get_preset(preset_name, dim)
+    key_word, value_word = (4 if p.key_fp8 else 2), 2  # the GPU's asm path (stream_words)
+    constexprs = dict(GROUP=4, BLOCK_H=16, D=dim, BLOCK_SIZE=16, BLOCK_N=block_n, NUM_SPLITS=2, SEARCH_STEPS=7,
+                      KEY_FP8=p.key_fp8, KEY_CODE_BYTES=p.key_code_bytes, NORM_CORRECTION=p.norm_correction,
+                      VALUE_OFFSET=p.key_bytes, VALUE_CODE_BYTES=p.value_code_bytes, DOT_FP32=False,
+                      KEY_WORD=key_word, VALUE_WORD=value_word, PREFETCH=prefetch, NC_DOT=True, ASM=True)
+    pointers = dict(q_ptr="*fp32", cache_ptr="*u8", block_table_ptr="*i32", seq_lens_ptr="*i32", qsl_ptr="*i32",
+                    cent_ptr="*fp32", key_lut_ptr="*i32", value_lut_ptr="*i32", part_out_ptr="*fp32",
+                    part_lse_ptr="*fp32")
+    fn = ta._decode_stream_kernel
+    signature = {n: "constexpr" if n in constexprs else pointers.get(n, "i32") for n in fn.arg_names}
+    return stats(fn, signature, constexprs, warps, 1, maxnreg)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--preset", action="append", help="repeatable; default: 4bit_nc and k8v4 at their defaults")
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--block-n", type=int, default=64)
+    parser.add_argument("--warps", type=int, default=4)
+    parser.add_argument("--maxnreg", type=int, default=None, help="default: the launcher's (168 / 128)")
+    parser.add_argument("--prefetch", action="store_true")
+    args = parser.parse_args()
+    for name in args.preset or ["turboquant_4bit_nc", "turboquant_k8v4"]:
+        fp8 = tqkv_compile.get_preset(name, args.head_dim).key_fp8
+        maxnreg = args.maxnreg or (128 if fp8 else 168)
+        result = stream_kernel(name, args.head_dim, args.block_n, args.warps, maxnreg, args.prefetch)
+        print(f"{name} D{args.head_dim} BLOCK_N {args.block_n} warps {args.warps} maxnreg {maxnreg} "
+              f"prefetch {args.prefetch}: " + " ".join(f"{k}={v}" for k, v in result.items()), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
