@@ -47,20 +47,17 @@ def _select8(code, c0, c1, c2, c3, c4, c5, c6, c7):
 
 
 @triton.jit
-def _centroids(code, cent_ptr, BITS: tl.constexpr, GATHER: tl.constexpr):
-    """int32 codes -> fp32 Lloyd-Max centroids: the table held in registers (scalars) and selected, or
-    (GATHER) loaded per code from the cached table."""
-    if GATHER:
-        values = tl.load(cent_ptr + code)
-    else:
-        values = _select8(code, tl.load(cent_ptr + 0), tl.load(cent_ptr + 1), tl.load(cent_ptr + 2),
-                          tl.load(cent_ptr + 3), tl.load(cent_ptr + 4), tl.load(cent_ptr + 5), tl.load(cent_ptr + 6),
-                          tl.load(cent_ptr + 7))
-        if BITS == 4:
-            upper = _select8(code, tl.load(cent_ptr + 8), tl.load(cent_ptr + 9), tl.load(cent_ptr + 10),
-                             tl.load(cent_ptr + 11), tl.load(cent_ptr + 12), tl.load(cent_ptr + 13),
-                             tl.load(cent_ptr + 14), tl.load(cent_ptr + 15))
-            values = tl.where((code & 8) != 0, upper, values)
+def _centroids(code, cent_ptr, BITS: tl.constexpr):
+    """int32 codes -> fp32 Lloyd-Max centroids: the table held in registers (scalars) and selected (a gather
+    from the cached table measured 1.5-4x slower on the H200)."""
+    values = _select8(code, tl.load(cent_ptr + 0), tl.load(cent_ptr + 1), tl.load(cent_ptr + 2),
+                      tl.load(cent_ptr + 3), tl.load(cent_ptr + 4), tl.load(cent_ptr + 5), tl.load(cent_ptr + 6),
+                      tl.load(cent_ptr + 7))
+    if BITS == 4:
+        upper = _select8(code, tl.load(cent_ptr + 8), tl.load(cent_ptr + 9), tl.load(cent_ptr + 10),
+                         tl.load(cent_ptr + 11), tl.load(cent_ptr + 12), tl.load(cent_ptr + 13),
+                         tl.load(cent_ptr + 14), tl.load(cent_ptr + 15))
+        values = tl.where((code & 8) != 0, upper, values)
     return values
 
 
@@ -131,7 +128,7 @@ def _load_query(q_ptr, row, q_heads, head_ok, s_qt, s_qh, s_qd,
 @triton.jit
 def _key_scores(q_a, q_b, cache_ptr, cent_ptr, base, valid, s_byte,
                 D: tl.constexpr, KEY_FP8: tl.constexpr, KEY_BITS: tl.constexpr, KEY_CODE_BYTES: tl.constexpr,
-                NORM_CORRECTION: tl.constexpr, GATHER: tl.constexpr, DTYPE: tl.constexpr,
+                NORM_CORRECTION: tl.constexpr, DTYPE: tl.constexpr,
                 PRECISION: tl.constexpr):
     """Scores [BLOCK_H, BLOCK_N] = <q, k> of the query group (from :func:`_load_query`) against BLOCK_N keys
     read straight from their slots; the query is already rotated (Lloyd-Max keys) and scaled."""
@@ -142,14 +139,14 @@ def _key_scores(q_a, q_b, cache_ptr, cent_ptr, base, valid, s_byte,
     else:
         if KEY_BITS == 4:
             even, odd = _load_nibbles(cache_ptr, base, valid, s_byte, D)
-            c_even = _centroids(even, cent_ptr, 4, GATHER)
-            c_odd = _centroids(odd, cent_ptr, 4, GATHER)
+            c_even = _centroids(even, cent_ptr, 4)
+            c_odd = _centroids(odd, cent_ptr, 4)
             scores = tl.dot(q_a, tl.trans(c_even.to(DTYPE)), input_precision=PRECISION)
             scores = tl.dot(q_b, tl.trans(c_odd.to(DTYPE)), scores, input_precision=PRECISION)
             if NORM_CORRECTION:
                 sumsq = tl.sum(c_even * c_even, axis=1) + tl.sum(c_odd * c_odd, axis=1)
         else:
-            cent = _centroids(_load_codes3(cache_ptr, base, valid, s_byte, D), cent_ptr, 3, GATHER)
+            cent = _centroids(_load_codes3(cache_ptr, base, valid, s_byte, D), cent_ptr, 3)
             scores = tl.dot(q_a, tl.trans(cent.to(DTYPE)), input_precision=PRECISION)
             if NORM_CORRECTION:
                 sumsq = tl.sum(cent * cent, axis=1)
@@ -220,7 +217,7 @@ def _decode_split_kernel(
     BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, SEARCH_STEPS: tl.constexpr,
     KEY_FP8: tl.constexpr, KEY_BITS: tl.constexpr, KEY_CODE_BYTES: tl.constexpr, NORM_CORRECTION: tl.constexpr,
     VALUE_BITS: tl.constexpr, VALUE_OFFSET: tl.constexpr, VALUE_CODE_BYTES: tl.constexpr,
-    DOT_FP32: tl.constexpr, GATHER: tl.constexpr,
+    DOT_FP32: tl.constexpr,
 ):
     row = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -253,7 +250,7 @@ def _decode_split_kernel(
         base = block * s_blk + (pos % BLOCK_SIZE) * s_pos + kv_head * s_head
 
         scores = _key_scores(q_a, q_b, cache_ptr, cent_ptr, base, valid, s_byte, D, KEY_FP8, KEY_BITS,
-                             KEY_CODE_BYTES, NORM_CORRECTION, GATHER, DTYPE, "ieee" if DOT_FP32 else None)
+                             KEY_CODE_BYTES, NORM_CORRECTION, DTYPE, "ieee" if DOT_FP32 else None)
         scores = tl.where(valid[None, :], scores, float("-inf"))
         p, alpha, m_i, l_i = _softmax_step(scores, m_i, l_i)
 
@@ -347,7 +344,7 @@ def _decode_words_kernel(
     BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, SEARCH_STEPS: tl.constexpr,
     KEY_FP8: tl.constexpr, KEY_BITS: tl.constexpr, KEY_CODE_BYTES: tl.constexpr, NORM_CORRECTION: tl.constexpr,
     VALUE_BITS: tl.constexpr, VALUE_OFFSET: tl.constexpr, VALUE_CODE_BYTES: tl.constexpr,
-    DOT_FP32: tl.constexpr, SYM: tl.constexpr,
+    DOT_FP32: tl.constexpr,
 ):
     """Like :func:`_decode_split_kernel`, for a cache whose last stride is 1 and whose base is 4-byte aligned:
     fp8 and 4-bit fields are read as 32-bit words (funnel-shifted where a slot is not word aligned) and
@@ -398,13 +395,10 @@ def _decode_words_kernel(
             if KEY_BITS == 4:
                 lo, hi = _load_words(wptr, base, valid, KW)
                 codes = _word_planes(_funnel(lo, hi, base), 4, KW)
-                if SYM:
-                    cent = _centroids_sym16(codes, cent_ptr, tl.float32)
-                else:
-                    cent = _centroids(codes, cent_ptr, 4, False)
+                cent = _centroids_sym16(codes, cent_ptr, tl.float32)
                 cent = tl.reshape(cent, (BLOCK_N, D))
             else:
-                cent = _centroids(_load_codes3(cache_ptr, base, valid, 1, D), cent_ptr, 3, False)
+                cent = _centroids(_load_codes3(cache_ptr, base, valid, 1, D), cent_ptr, 3)
             scores = tl.dot(q, tl.trans(cent.to(DTYPE)), input_precision=PRECISION)
             factor, _unused = _meta_fp16(nlo, nhi, naddr)
             if NORM_CORRECTION:
@@ -780,14 +774,11 @@ def column_order(preset: Preset, device: torch.device) -> torch.Tensor:
     return _ORDERS[key]
 
 
-def default_kernel(preset: Preset, programs: int, kv_cache: torch.Tensor, device: torch.device,
-                   centroid_gather: bool = False) -> str:
+def default_kernel(preset: Preset, programs: int, kv_cache: torch.Tensor, device: torch.device) -> str:
     """The kernel measured fastest on the H200 (bench/results/h200-kernels-notes.md): the stream kernel
     wherever it can read the cache (fp8 or 4-bit keys with 4-bit values: k8v4, 4bit_nc); for 3-bit fields
     the word kernel when (row, kv head) programs fill the GPU twice over (3-bit values), the byte kernel
     otherwise (under the interpreter: the word kernel wherever it applies, so that tests cover it)."""
-    if centroid_gather:
-        return "bytes"
     if stream_words(preset, kv_cache, asm=device.type == "cuda") is not None:
         return "stream"
     if not _words_ok(kv_cache) or preset.key_fp8 or (preset.key_bits != 4 and preset.value_bits != 3):
@@ -805,7 +796,7 @@ def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: t
                      seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float, preset: Preset,
                      rotation: torch.Tensor, centroids: torch.Tensor, *, splits: int | None = None,
                      block_n: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
-                     centroid_gather: bool = False, kernel: str | None = None, sym: bool = True,
+                     kernel: str | None = None,
                      prefetch: bool = False, nc_dot: bool | None = None, asm: bool = True,
                      maxnreg: int | None = None, luts: tuple[torch.Tensor, torch.Tensor] | None = None,
                      launch=None) -> torch.Tensor:
@@ -824,7 +815,7 @@ def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: t
         return out
     interpret = query.device.type == "cpu"
     if kernel is None:
-        kernel = default_kernel(preset, rows * kv_heads, kv_cache, query.device, centroid_gather)
+        kernel = default_kernel(preset, rows * kv_heads, kv_cache, query.device)
     if block_n is None:  # the H200 sweeps' best (bench/results/h200-kernels-notes.md)
         block_n = 16 if interpret else (32 if kernel == "bytes" else 64)
     # stream kernel: no hand prefetch (measured: the registers it holds cost more than it hides), registers
@@ -875,7 +866,7 @@ def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: t
         launch(_decode_words_kernel)[(rows, kv_heads, splits)](
             q, kv_cache, block_table, seq_lens, query_start_loc, centroids, part_out, part_lse,
             num_seqs, *q.stride(), *block_table.stride(), *kv_cache.stride()[:3],
-            SYM=sym, **common, num_warps=num_warps or 4, num_stages=num_stages or 2,
+            **common, num_warps=num_warps or 4, num_stages=num_stages or 2,
         )
     else:
         # The query, rotated (Lloyd-Max keys) and scaled once; log2(e) folded in for exp2. (Host side: a float
@@ -885,7 +876,7 @@ def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: t
             q, kv_cache, block_table, seq_lens, query_start_loc, centroids, part_out, part_lse,
             num_seqs,
             *q.stride(), *block_table.stride(), *kv_cache.stride(),
-            GATHER=centroid_gather, **common, num_warps=num_warps or 4, num_stages=num_stages or 2,
+            **common, num_warps=num_warps or 4, num_stages=num_stages or 2,
         )
     launch(_merge_kernel)[(rows, heads)](
         part_out, part_lse, out, *out.stride(),

@@ -35,7 +35,7 @@ def _kv_dot_kernel(
     base = block.to(tl.int64) * s_blk + (pos % BLOCK_SIZE) * s_pos + kv_head * s_head
     q_a, q_b = _load_query(q_ptr, seq, q_heads, head_ok, s_qb, s_qh, s_qd, D, KEY_FP8, KEY_BITS, tl.float32)
     logits = _key_scores(q_a, q_b, cache_ptr, cent_ptr, base, valid, s_byte, D, KEY_FP8, KEY_BITS, KEY_CODE_BYTES,
-                         NORM_CORRECTION, False, tl.float32, "ieee")
+                         NORM_CORRECTION, tl.float32, "ieee")
     logits = tl.where(valid[None, :], logits, float("-inf"))
     tl.store(out_ptr + seq * s_ob + q_heads[:, None] * s_oh + pos[None, :] * s_on, logits,
              mask=head_ok[:, None] & (pos < width)[None, :])
