@@ -199,6 +199,16 @@ def _split_span(row, kv_head, split, qsl_ptr, seq_lens_ptr, num_seqs, GROUP: tl.
 
 
 @triton.jit
+def _tile_base(bt_row, s_bm, start, end, n, kv_head, s_blk, s_pos, s_head, BLOCK_SIZE: tl.constexpr):
+    """Byte offset of each slot of the tile at start (0 past end) and its validity. The block-id load is the
+    only load here."""
+    pos = start + n
+    valid = pos < end
+    block = tl.load(bt_row + (pos // BLOCK_SIZE) * s_bm, mask=valid, other=0).to(tl.int64)
+    return block * s_blk + (pos % BLOCK_SIZE) * s_pos + kv_head * s_head, valid
+
+
+@triton.jit
 def _softmax_step(scores, m_i, l_i):
     """Online softmax in base 2 over one tile of scores [BLOCK_H, N]: (p, alpha, new max, new sum)."""
     m_new = tl.maximum(m_i, tl.max(scores, axis=1))
@@ -244,10 +254,7 @@ def _decode_split_kernel(
     bt_row = block_table_ptr + seq.to(tl.int64) * s_bt
     n = tl.arange(0, BLOCK_N)
     for start in range(begin, end, BLOCK_N):
-        pos = start + n
-        valid = pos < end
-        block = tl.load(bt_row + (pos // BLOCK_SIZE) * s_bm, mask=valid, other=0).to(tl.int64)
-        base = block * s_blk + (pos % BLOCK_SIZE) * s_pos + kv_head * s_head
+        base, valid = _tile_base(bt_row, s_bm, start, end, n, kv_head, s_blk, s_pos, s_head, BLOCK_SIZE)
 
         scores = _key_scores(q_a, q_b, cache_ptr, cent_ptr, base, valid, s_byte, D, KEY_FP8, KEY_BITS,
                              KEY_CODE_BYTES, NORM_CORRECTION, DTYPE, "ieee" if DOT_FP32 else None)
@@ -377,10 +384,7 @@ def _decode_words_kernel(
     KW: tl.constexpr = D // 4 if KEY_FP8 else D * KEY_BITS // 32  # key code words
     VW: tl.constexpr = D * VALUE_BITS // 32
     for start in range(begin, end, BLOCK_N):
-        pos = start + n
-        valid = pos < end
-        block = tl.load(bt_row + (pos // BLOCK_SIZE) * s_bm, mask=valid, other=0).to(tl.int64)
-        base = block * s_blk + (pos % BLOCK_SIZE) * s_pos + kv_head * s_head
+        base, valid = _tile_base(bt_row, s_bm, start, end, n, kv_head, s_blk, s_pos, s_head, BLOCK_SIZE)
 
         # ---- keys -> scores [BLOCK_H, BLOCK_N]
         if KEY_FP8:
@@ -429,16 +433,6 @@ def _decode_words_kernel(
         col = _order3(D)
     tl.store(part_out_ptr + part[:, None] * D + col[None, :], out, mask=head_ok[:, None])
     tl.store(part_lse_ptr + part, m_i + tl.log2(l_i), mask=head_ok)
-
-
-@triton.jit
-def _tile_base(bt_row, s_bm, start, end, n, kv_head, s_blk, s_pos, s_head, BLOCK_SIZE: tl.constexpr):
-    """Byte offset of each slot of the tile at start (0 past end) and its validity. The block-id load is the
-    only load here."""
-    pos = start + n
-    valid = pos < end
-    block = tl.load(bt_row + (pos // BLOCK_SIZE) * s_bm, mask=valid, other=0).to(tl.int64)
-    return block * s_blk + (pos % BLOCK_SIZE) * s_pos + kv_head * s_head, valid
 
 
 @triton.jit
@@ -802,8 +796,8 @@ def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: t
                      launch=None) -> torch.Tensor:
     """query [T, Hq, D] -> out [T, Hq, D] (query dtype); see the module docstring and ops.attention.
     ``kernel``: "stream", "words" or "bytes" (default: :func:`default_kernel`); the other keywords are tuning
-    knobs (the H200 sweep's best by default). ``luts``: the stream kernel's lookup tables (default: built from
-    centroids and cached). ``launch``: wraps each kernel before its launch (``torch.library.wrap_triton`` when
+    knobs (the H200 sweep's best by default). ``luts``: the stream kernel's lookup tables (default:
+    :func:`lut_tables`, built once per preset and device). ``launch``: wraps each kernel before its launch (``torch.library.wrap_triton`` when
     traced for Inductor, see :mod:`tqkv_compile.lowerings.inductor_ops`)."""
     if launch is None:
         launch = _plain_launch
@@ -818,9 +812,8 @@ def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: t
         kernel = default_kernel(preset, rows * kv_heads, kv_cache, query.device)
     if block_n is None:  # the H200 sweeps' best (bench/results/h200-kernels-notes.md)
         block_n = 16 if interpret else (32 if kernel == "bytes" else 64)
-    # stream kernel: no hand prefetch (measured: the registers it holds cost more than it hides), registers
-    # capped on the GPU: 3 (4-bit keys) / 4 (fp8 keys) CTAs per SM without spills
-    prefetch = bool(prefetch)
+    # stream kernel: no hand prefetch by default (measured: the registers it holds cost more than it hides),
+    # registers capped on the GPU: 3 (4-bit keys) / 4 (fp8 keys) CTAs per SM without spills
     if kernel == "stream" and not interpret:
         maxnreg = maxnreg or (128 if preset.key_fp8 else 168)
     if nc_dot is None:

@@ -30,7 +30,8 @@ import triton.language as tl
 from tqkv_compile import lloyd_max
 from tqkv_compile.codec import FP8_MAX, Preset
 from tqkv_compile.lowerings.triton_attention import (LOG2E, _load_fp16, _merge_kernel, _softmax_step, _split_span,
-                                                      num_splits)
+                                                      _tile_base, num_splits)
+from tqkv_compile.lowerings.triton_kv_dot import _logit_tile, _store_logits
 from tqkv_compile.lowerings.triton_kv_write import _fp8e4m3_bits, _store_fp16, _store_packed, _write_rows
 
 CHUNK = 16  # rotation / packing chunk: divides every wide run (a multiple of 16 coordinates at head >= 64)
@@ -239,10 +240,7 @@ def _general_decode_kernel(
     bt_row = block_table_ptr + seq.to(tl.int64) * s_bt
     n = tl.arange(0, BLOCK_N)
     for start in range(begin, end, BLOCK_N):
-        pos = start + n
-        valid = pos < end
-        block = tl.load(bt_row + (pos // BLOCK_SIZE) * s_bm, mask=valid, other=0).to(tl.int64)
-        base = block * s_blk + (pos % BLOCK_SIZE) * s_pos + kv_head * s_head
+        base, valid = _tile_base(bt_row, s_bm, start, end, n, kv_head, s_blk, s_pos, s_head, BLOCK_SIZE)
         scores = _scores(q, q_raw_row, q_heads, head_ok, cache_ptr, cent_ptr, rot_ptr, base, valid, s_byte, D,
                          KEY_BITS, KEY_WIDE, KEY_CODE_BYTES, OUTLIERS, KC, KCW, DTYPE, PRECISION)
         scores = tl.where(valid[None, :], scores, float("-inf"))
@@ -300,24 +298,14 @@ def _general_kv_dot_kernel(
     KEY_BITS: tl.constexpr, KEY_WIDE: tl.constexpr, KEY_CODE_BYTES: tl.constexpr, OUTLIERS: tl.constexpr,
     KC: tl.constexpr, KCW: tl.constexpr,
 ):
-    seq = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    pos = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
-    h = tl.arange(0, BLOCK_H)
-    q_heads = kv_head * GROUP + h
-    head_ok = h < GROUP
+    seq, q_heads, head_ok, pos, valid, base = _logit_tile(block_table_ptr, seq_lens_ptr, s_bt, s_bm, s_blk, s_pos,
+                                                          s_head, GROUP, BLOCK_H, BLOCK_SIZE, BLOCK_N)
     heads = GROUP * tl.num_programs(1)
-    length = tl.load(seq_lens_ptr + seq)
-    valid = pos < length
-    block = tl.load(block_table_ptr + seq.to(tl.int64) * s_bt + (pos // BLOCK_SIZE) * s_bm, mask=valid, other=0)
-    base = block.to(tl.int64) * s_blk + (pos % BLOCK_SIZE) * s_pos + kv_head * s_head
     d = tl.arange(0, D)
     q = tl.load(q_ptr + (seq * heads + q_heads)[:, None] * D + d[None, :], mask=head_ok[:, None], other=0.0)
     logits = _scores(q, q_raw_ptr + seq * heads * D, q_heads, head_ok, cache_ptr, cent_ptr, rot_ptr, base, valid,
                      s_byte, D, KEY_BITS, KEY_WIDE, KEY_CODE_BYTES, OUTLIERS, KC, KCW, tl.float32, "ieee")
-    logits = tl.where(valid[None, :], logits, float("-inf"))
-    tl.store(out_ptr + seq * s_ob + q_heads[:, None] * s_oh + pos[None, :] * s_on, logits,
-             mask=head_ok[:, None] & (pos < width)[None, :])
+    _store_logits(out_ptr, logits, seq, q_heads, head_ok, pos, valid, width, s_ob, s_oh, s_on)
 
 
 def kv_dot(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
