@@ -155,8 +155,10 @@ def _run_config(config: str, args: argparse.Namespace, model: str) -> list[dict]
     if args.enforce_eager:
         cmd.append("--enforce-eager")
     env = dict(os.environ)
-    env.pop("TQKV_ENABLE", None)
-    env.pop("TQKV_PRESET", None)
+    from tqkv_compile.vllm import ENABLE_ENV, PRESET_ENV
+
+    env.pop(ENABLE_ENV, None)
+    env.pop(PRESET_ENV, None)
     if not args.check_values:  # the ops' value checks sync with the host per layer and step: off for timing
         env["TQKV_CHECK_VALUES"] = "0"
     started = time.perf_counter()

