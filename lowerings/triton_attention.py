@@ -797,8 +797,8 @@ def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: t
     """query [T, Hq, D] -> out [T, Hq, D] (query dtype); see the module docstring and ops.attention.
     ``kernel``: "stream", "words" or "bytes" (default: :func:`default_kernel`); the other keywords are tuning
     knobs (the H200 sweep's best by default). ``luts``: the stream kernel's lookup tables (default:
-    :func:`lut_tables`, built once per preset and device). ``launch``: wraps each kernel before its launch (``torch.library.wrap_triton`` when
-    traced for Inductor, see :mod:`tqkv_compile.lowerings.inductor_ops`)."""
+    :func:`lut_tables`, built once per preset and device). ``launch``: wraps each kernel before its launch
+    (``torch.library.wrap_triton`` when traced for Inductor, see :mod:`tqkv_compile.lowerings.inductor_ops`)."""
     if launch is None:
         launch = _plain_launch
     rows, heads, dim = query.shape
