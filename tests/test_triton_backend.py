@@ -150,6 +150,25 @@ def test_mixed_batch_attends_causally_within_new_tokens(preset_name):
     torch.testing.assert_close(out.float(), expected.float(), **_tolerance(torch.float16))
 
 
+@pytest.mark.parametrize("order", ["decodes_first", "prefills_first"])
+@pytest.mark.parametrize("preset_name", ["turboquant_4bit_nc", "turboquant_k8v4", "tqkv_k5v3"])
+def test_long_new_token_runs_take_the_dense_path_and_match_reference(preset_name, order, monkeypatch):
+    """Prefill (a whole prompt) and a long continuation chunk go through the dense path (codec decode + SDPA),
+    the decode rows beside them through the kernels; every row agrees with the reference."""
+    from tqkv_compile.backends import prefill
+
+    preset = get_preset(preset_name, 64)
+    calls = []
+    dense = prefill.dense_attention
+    monkeypatch.setattr(prefill, "dense_attention", lambda *a: calls.append(a[-2]) or dense(*a))
+    new, lengths = [1, 160, 1, 140], [30, 160, 45, 200]  # seq 1: first chunk; seq 3: continuation of 60 cached
+    if order == "prefills_first":
+        new, lengths = new[::-1], lengths[::-1]
+    out, expected = _attention_both(preset, 2, torch.bfloat16, new, lengths, seed=11)
+    assert calls == [[b for b, n in enumerate(new) if n > prefill.DENSE_MIN_NEW_TOKENS]]
+    torch.testing.assert_close(out.float(), expected.float(), **_tolerance(torch.bfloat16))
+
+
 @pytest.mark.parametrize("preset_name", PRESETS)
 @pytest.mark.parametrize("kernel", ["words", "bytes"])
 def test_both_kernels_read_unaligned_slots(preset_name, kernel):

@@ -44,8 +44,9 @@ def _say(message: str) -> None:
     print(f"[tqkv] {message}", file=sys.stderr, flush=True)
 
 
-def run_engine(label: str, model: str, argv: list[str], log_dir: str) -> dict:
-    """One engine run in a child process, with a heartbeat while vLLM starts; returns its result dict."""
+def run_engine(label: str, model: str, argv: list[str], log_dir: str, timeout: float | None = None) -> dict:
+    """One engine run in a child process, with a heartbeat while vLLM starts; returns its result dict.
+    ``timeout``: seconds, after which the child is killed and this raises."""
     log_path = os.path.join(log_dir, re.sub(r"[^A-Za-z0-9]+", "_", label).strip("_") + ".log")
     env = dict(os.environ)
     env.pop("TRITON_INTERPRET", None)  # the demo runs the CPU reference backend, not interpreted kernels
@@ -61,6 +62,10 @@ def run_engine(label: str, model: str, argv: list[str], log_dir: str) -> dict:
                 break
             except subprocess.TimeoutExpired:
                 _say(f"{label}: {time.monotonic() - started:.0f} s ...")
+                if timeout is not None and time.monotonic() - started > timeout:
+                    child.kill()
+                    child.wait()
+                    break
     with open(log_path) as log:
         lines = log.read().splitlines()
     results = [line for line in lines if line.startswith("TQKV_RESULT ")]

@@ -14,6 +14,7 @@ from functools import lru_cache
 
 import torch
 
+from tqkv_compile.backends import prefill
 from tqkv_compile.codec import Preset
 
 
@@ -98,6 +99,31 @@ class TritonBackend:
         kv_write(key, value, kv_cache, slot_mapping, preset, rotation, midpoints)
 
     def attention(self, query, kv_cache, block_table, seq_lens, query_start_loc, scale, preset: Preset):
+        """The decode kernels for every sequence, except those with many new tokens (prefill), which get the
+        dense path (:mod:`tqkv_compile.backends.prefill`)."""
+        dense = prefill.plan(query_start_loc, seq_lens, query.shape[0])
+        if dense is None:
+            return self._kernel_attention(query, kv_cache, block_table, seq_lens, query_start_loc, scale, preset)
+        out = torch.empty_like(query)
+        starts = query_start_loc.tolist()
+        short = [b for b in range(seq_lens.shape[0]) if b not in set(dense)]
+        if short:
+            if short == list(range(len(short))):  # vLLM's order: decodes first, so usually a plain prefix
+                rows = slice(0, starts[len(short)])
+                sub = self._kernel_attention(query[rows], kv_cache, block_table[: len(short)], seq_lens[: len(short)],
+                                             query_start_loc[: len(short) + 1], scale, preset)
+                out[rows] = sub
+            else:
+                index = torch.cat([torch.arange(starts[b], starts[b + 1]) for b in short]).to(query.device)
+                counts = torch.tensor([0] + [starts[b + 1] - starts[b] for b in short]).cumsum(0)
+                picked = torch.tensor(short, device=query.device)
+                sub = self._kernel_attention(query[index], kv_cache, block_table[picked], seq_lens[picked],
+                                             counts.to(query_start_loc.device, query_start_loc.dtype), scale, preset)
+                out[index] = sub
+        prefill.dense_attention(query, kv_cache, block_table, seq_lens, query_start_loc, scale, preset, dense, out)
+        return out
+
+    def _kernel_attention(self, query, kv_cache, block_table, seq_lens, query_start_loc, scale, preset: Preset):
         if preset.spec.vllm_name is None:
             from tqkv_compile.lowerings import triton_general
 

@@ -14,11 +14,14 @@ import sys
 import time
 
 
-def _prompts(count: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+def _prompts(count: int, length: int, vocab: int, seed: int, shared_prefix: int = 0) -> list[list[int]]:
+    """``count`` random prompts of ``length + 7 * i`` tokens; the first ``shared_prefix`` tokens are the same in
+    every prompt (requests sharing a prefix, for prefix caching)."""
     import random
 
     rng = random.Random(seed)
-    return [[rng.randrange(3, vocab) for _ in range(length + 7 * i)] for i in range(count)]
+    prefix = [rng.randrange(3, vocab) for _ in range(shared_prefix)]
+    return [prefix + [rng.randrange(3, vocab) for _ in range(length + 7 * i)] for i in range(count)]
 
 
 #: set for vLLM's worker processes, where our plugin applies :func:`scaled_dummy_weights` with this std
@@ -68,6 +71,13 @@ def run(args: argparse.Namespace) -> dict:
         max_model_len=args.max_model_len, enforce_eager=args.mode == "eager", seed=0,
         max_num_seqs=max(args.prompts, 1), dtype=args.dtype,
     )
+    if args.max_num_batched_tokens:  # below the prompt length: chunked prefill
+        kwargs["max_num_batched_tokens"] = args.max_num_batched_tokens
+    if args.prefix_caching is not None:
+        kwargs["enable_prefix_caching"] = args.prefix_caching
+    if args.ngram:  # speculative decoding: n-gram proposals from the prompt, verified by the model
+        kwargs["speculative_config"] = {"method": "ngram", "num_speculative_tokens": args.ngram,
+                                        "prompt_lookup_max": 4, "prompt_lookup_min": 2}
     report_dir = None
     if args.tensor_parallel_size > 1:
         # the model runs in worker processes: they report through files, and get the same dummy weights
@@ -98,7 +108,8 @@ def run(args: argparse.Namespace) -> dict:
     config = llm.llm_engine.vllm_config
     with open(os.path.join(args.model, "config.json")) as f:
         vocab = json.load(f)["vocab_size"]
-    prompts = [{"prompt_token_ids": p} for p in _prompts(args.prompts, args.prompt_len, vocab, seed=1)]
+    prompts = [{"prompt_token_ids": p}
+               for p in _prompts(args.prompts, args.prompt_len, vocab, seed=1, shared_prefix=args.shared_prefix)]
     greedy = SamplingParams(temperature=0.0, max_tokens=args.new_tokens, logprobs=args.logprobs, ignore_eos=True)
     one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
 
@@ -164,6 +175,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--new-tokens", type=int, default=24)
     p.add_argument("--logprobs", type=int, default=5)
     p.add_argument("--max-model-len", type=int, default=512)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="vLLM's token budget per step; below the prompt length, prefill is chunked")
+    p.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=None,
+                   help="vLLM's enable_prefix_caching (default: vLLM's)")
+    p.add_argument("--shared-prefix", type=int, default=0, help="tokens every prompt starts with")
+    p.add_argument("--ngram", type=int, default=0, help="n-gram speculative decoding with this many proposed tokens")
     p.add_argument("--dtype", default="float32", help="activation dtype (vLLM's --dtype)")
     p.add_argument("--init-std", type=float, default=0.08,
                    help="std of the dummy weights (0: vLLM's own, within 1e-3)")

@@ -1,0 +1,123 @@
+"""Agreement on a real model: tqkv compiled (CUDA graphs, chunked prefill, prefix caching, n-gram speculative
+decoding) against tqkv eager, and tqkv against vLLM's own TurboQuant path and the bf16 cache.
+
+    python bench/agreement.py --model /tmp/smollm2 --real-weights --out bench/results/h200-agreement.json
+
+Every run is one vLLM engine in its own process (tqkv_compile.vllm.engine_run) on the same prompts (random
+token ids sharing a prefix, so that prefix caching has something to share), greedy, with top-5 logprobs. For
+each pair: whether the greedy tokens match, the fraction of generated tokens before each sequence's first
+difference, and the largest top-k logprob difference up to it. Runs that fail are recorded with their error;
+the JSON is rewritten after every run, so a run that hangs loses nothing before it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from tqkv_compile.demo import compare_logprobs, run_engine
+
+# name -> engine_run arguments on top of the common ones (most important first: the order they run in)
+RUNS = {
+    "tqkv_eager": ["--mode", "eager"],
+    "tqkv": ["--mode", "compiled"],
+    "vllm_tq": ["--mode", "compiled", "--no-tqkv"],
+    "vllm_tq_eager": ["--mode", "eager", "--no-tqkv"],
+    "tqkv_ngram": ["--mode", "compiled", "--ngram", "3"],
+    "tqkv_chunked": ["--mode", "compiled", "--max-num-batched-tokens", "64"],
+    "tqkv_no_prefix_cache": ["--mode", "compiled", "--no-prefix-caching"],
+    "bf16": ["--mode", "compiled", "--no-tqkv", "--kv-cache-dtype", "auto"],
+}
+# (a, b, what it shows)
+PAIRS = [
+    ("tqkv", "tqkv_eager", "compiled (CUDA graphs) vs eager, our ops"),
+    ("tqkv_ngram", "tqkv_eager", "n-gram speculative decoding, compiled, vs eager"),
+    ("tqkv_chunked", "tqkv_eager", "chunked prefill (64-token steps), compiled, vs eager"),
+    ("tqkv_no_prefix_cache", "tqkv", "prefix caching off vs on, compiled"),
+    ("tqkv", "vllm_tq", "ours vs vLLM's own TurboQuant, both compiled"),
+    ("tqkv_eager", "vllm_tq_eager", "ours vs vLLM's own TurboQuant, both eager"),
+    ("vllm_tq", "vllm_tq_eager", "vLLM's own TurboQuant: compiled vs eager (its noise floor)"),
+    ("tqkv", "bf16", "ours vs vLLM's bf16 cache"),
+    ("vllm_tq", "bf16", "vLLM's own TurboQuant vs its bf16 cache"),
+]
+
+
+def _say(message: str) -> None:
+    print(f"[agreement] {message}", file=sys.stderr, flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", required=True)
+    p.add_argument("--real-weights", action="store_true")
+    p.add_argument("--kv-cache-dtype", default="turboquant_4bit_nc")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--prompts", type=int, default=4)
+    p.add_argument("--prompt-len", type=int, default=300)
+    p.add_argument("--shared-prefix", type=int, default=128)
+    p.add_argument("--new-tokens", type=int, default=200)
+    p.add_argument("--max-model-len", type=int, default=1024)
+    p.add_argument("--runs", default=",".join(RUNS), help="comma-separated, of: " + ", ".join(RUNS))
+    p.add_argument("--timeout", type=float, default=180, help="seconds per run")
+    p.add_argument("--out", required=True)
+    p.add_argument("--log-dir", default=None)
+    args = p.parse_args(argv)
+    runs = [r for r in args.runs.split(",") if r]
+    unknown = [r for r in runs if r not in RUNS]
+    if unknown:
+        p.error(f"unknown runs {unknown}; choose from {', '.join(RUNS)}")
+    common = ["--kv-cache-dtype", args.kv_cache_dtype, "--dtype", args.dtype, "--prompts", str(args.prompts),
+              "--prompt-len", str(args.prompt_len), "--shared-prefix", str(args.shared_prefix),
+              "--new-tokens", str(args.new_tokens), "--max-model-len", str(args.max_model_len)]
+    if args.real_weights:
+        common.append("--real-weights")
+    log_dir = args.log_dir or tempfile.mkdtemp(prefix="tqkv-agreement-")
+    os.makedirs(log_dir, exist_ok=True)
+    commit = os.environ.get("TQKV_COMMIT") or subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True,
+                                                             text=True).stdout.strip()
+    import torch
+
+    meta = dict(command="python bench/agreement.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+                date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), commit=commit,
+                device=torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU", torch=torch.__version__)
+    results: dict[str, dict] = {}
+    summary: dict[str, dict] = {}
+    for i, name in enumerate(runs, 1):
+        argv_run = list(common)
+        extra = RUNS[name]
+        if "--kv-cache-dtype" in extra:  # the run's own cache dtype replaces the common one
+            at = argv_run.index("--kv-cache-dtype")
+            del argv_run[at:at + 2]
+        try:
+            result = run_engine(f"({i}/{len(runs)}) {name}", args.model, [*argv_run, *extra], log_dir,
+                                timeout=args.timeout)
+            results[name] = result
+            summary[name] = {k: result[k] for k in ("start_s", "decode_tok_s", "kv_capacity_tokens", "served_compiled",
+                                                    "served_impl", "fallbacks")}
+            summary[name]["rewritten"] = result["pass"]["rewritten"]
+            summary[name]["pass_error"] = result["pass"]["error"]
+        except Exception as exc:  # noqa: BLE001  (recorded; the other runs go on)
+            summary[name] = {"error": str(exc)[-1500:]}
+            _say(f"{name}: FAILED: {str(exc)[-600:]}")
+        pairs = []
+        for a, b, what in PAIRS:
+            if a in results and b in results:
+                same, diff, agree = compare_logprobs(results[a], results[b])
+                pairs.append(dict(a=a, b=b, what=what, tokens_match=same, agree_fraction=round(agree, 4),
+                                  max_logprob_diff=round(diff, 5)))
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps({"meta": meta, "runs": summary, "pairs": pairs}, indent=1) + "\n")
+    for pair in pairs:
+        print(f"{pair['a']:>22s} vs {pair['b']:<14s} tokens {'match ' if pair['tokens_match'] else 'DIFFER'} "
+              f"agree {pair['agree_fraction']:.3f}  max logprob diff {pair['max_logprob_diff']:.4f}  ({pair['what']})")
+    return 0 if all("error" not in s for s in summary.values()) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

