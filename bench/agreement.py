@@ -27,6 +27,7 @@ from tqkv_compile.demo import compare_logprobs, run_engine
 RUNS = {
     "tqkv_eager": ["--mode", "eager"],
     "tqkv": ["--mode", "compiled"],
+    "tqkv_full_graphs": ["--mode", "compiled", "--no-graph-partition"],
     "vllm_tq": ["--mode", "compiled", "--no-tqkv"],
     "vllm_tq_eager": ["--mode", "eager", "--no-tqkv"],
     "tqkv_ngram": ["--mode", "compiled", "--ngram", "3"],
@@ -37,6 +38,7 @@ RUNS = {
 # (a, b, what it shows)
 PAIRS = [
     ("tqkv", "tqkv_eager", "compiled (CUDA graphs) vs eager, our ops"),
+    ("tqkv_full_graphs", "tqkv_eager", "compiled without graph partition (full decode graphs) vs eager"),
     ("tqkv_ngram", "tqkv_eager", "n-gram speculative decoding, compiled, vs eager"),
     ("tqkv_chunked", "tqkv_eager", "chunked prefill (64-token steps), compiled, vs eager"),
     ("tqkv_no_prefix_cache", "tqkv", "prefix caching off vs on, compiled"),
@@ -77,6 +79,9 @@ def main(argv: list[str] | None = None) -> int:
               "--new-tokens", str(args.new_tokens), "--max-model-len", str(args.max_model_len)]
     if args.real_weights:
         common.append("--real-weights")
+    # vLLM's compile cache would hand a later run an earlier run's graph (its key ignores e.g. prefix caching),
+    # and then no pass runs to report what it rewrote
+    os.environ["VLLM_DISABLE_COMPILE_CACHE"] = "1"
     log_dir = args.log_dir or tempfile.mkdtemp(prefix="tqkv-agreement-")
     os.makedirs(log_dir, exist_ok=True)
     commit = os.environ.get("TQKV_COMMIT") or subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True,

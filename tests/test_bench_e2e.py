@@ -28,6 +28,23 @@ def test_configs_and_cases_are_parsed_or_refused_by_name():
             bench_e2e.parse_cases(bad)
 
 
+def test_a_configuration_that_times_out_keeps_its_finished_cases(tmp_path, monkeypatch):
+    """A child killed at --timeout: the cases it printed are kept, the rest recorded as errors, and the
+    benchmark goes on (a script stands in for the engine: this tests the parent's bookkeeping)."""
+    import argparse
+
+    child = tmp_path / "child.py"
+    done = {"config": "bf16", "B": 1, "P": 8, "N": 2, "decode_tok_s": 5.0}
+    child.write_text(f"import json, time\nprint('TQKV_E2E ' + json.dumps({done!r}), flush=True)\ntime.sleep(60)\n")
+    args = argparse.Namespace(cases="1x8x2,2x8x2", dtype="bfloat16", gpu_memory_utilization=None,
+                              max_num_batched_tokens=None, enforce_eager=False, check_values=False, timeout=3)
+    real_run = subprocess.run
+    monkeypatch.setattr(subprocess, "run", lambda cmd, **kw: real_run([sys.executable, str(child)], **kw))
+    records = bench_e2e._run_config("bf16", args, "m")
+    assert records[0] == done
+    assert records[1]["B"] == 2 and "timed out after 3 s" in records[1]["error"]
+
+
 @pytest.mark.vllm
 def test_bench_runs_each_configuration_in_its_engine_and_writes_records(tmp_path):
     out = tmp_path / "e2e.json"

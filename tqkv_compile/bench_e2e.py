@@ -162,13 +162,28 @@ def _run_config(config: str, args: argparse.Namespace, model: str) -> list[dict]
     if not args.check_values:  # the ops' value checks sync with the host per layer and step: off for timing
         env["TQKV_CHECK_VALUES"] = "0"
     started = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.timeout)
-    records = [json.loads(line.split(" ", 1)[1]) for line in proc.stdout.splitlines() if line.startswith("TQKV_E2E ")]
-    if proc.returncode != 0 or not records:
-        tail = (proc.stderr or proc.stdout)[-1500:]
-        _log(f"{config}: FAILED (exit {proc.returncode}) after {time.perf_counter() - started:.0f} s:\n{tail}")
-        return [dict(config=config, B=B, P=P, N=N, error=tail[-400:]) for B, P, N in parse_cases(args.cases)]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.timeout)
+        stdout, stderr, status = proc.stdout, proc.stderr, f"exit {proc.returncode}"
+        failed = proc.returncode != 0
+    except subprocess.TimeoutExpired as exc:  # keep the cases it finished
+        stdout, stderr = (_text(exc.stdout), _text(exc.stderr))
+        status, failed = f"timed out after {args.timeout} s", True
+    records = [json.loads(line.split(" ", 1)[1]) for line in stdout.splitlines() if line.startswith("TQKV_E2E ")]
+    if failed or not records:
+        tail = (stderr or stdout)[-1500:]
+        _log(f"{config}: FAILED ({status}) after {time.perf_counter() - started:.0f} s:\n{tail}")
+        done = {(r["B"], r["P"], r["N"]) for r in records}
+        return records + [dict(config=config, B=B, P=P, N=N, error=f"{status}: {tail[-400:]}")
+                          for B, P, N in parse_cases(args.cases) if (B, P, N) not in done]
     return records
+
+
+def _text(data) -> str:
+    """A TimeoutExpired's captured output: bytes on POSIX even with text=True."""
+    if data is None:
+        return ""
+    return data.decode(errors="replace") if isinstance(data, bytes) else data
 
 
 def _meta(argv: list[str], model: str) -> dict:

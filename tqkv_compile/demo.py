@@ -32,9 +32,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompts", type=int, default=4, help="sequences decoded together")
     p.add_argument("--prompt-len", type=int, default=40)
     p.add_argument("--new-tokens", type=int, default=24)
-    p.add_argument("--dtype", default="float32",
-                   help="activation dtype; fp32 by default because in bf16 vLLM's own compiled and eager runs "
-                        "already diverge on random weights (no tqkv involved), which would hide what the check tests")
+    p.add_argument("--dtype", default=None,
+                   help="activation dtype; on the CPU fp32 by default because in bf16 vLLM's own compiled and eager "
+                        "runs already diverge on random weights (no tqkv involved), which would hide what the check "
+                        "tests; on CUDA bf16 (vLLM's TurboQuant backend takes fp16 / bf16 only)")
     p.add_argument("--json", action="store_true", help="print one JSON object on one line")
     p.add_argument("--no-baseline", action="store_true",
                    help="skip the run with vLLM's uncompressed cache (the activation dtype)")
@@ -117,6 +118,10 @@ def kv_bytes_per_token(model: str, preset: str, compressed_layers: int) -> tuple
 
 def run(args: argparse.Namespace) -> int:
     model = os.path.abspath(args.model) if args.model else builtin_model()
+    if args.dtype is None:
+        from tqkv_compile.vllm.engine_run import default_dtype
+
+        args.dtype = default_dtype()
     if not os.path.isfile(os.path.join(model, "config.json")):
         raise SystemExit(f"tqkv demo: --model {model}: no config.json there")
     common = ["--kv-cache-dtype", args.kv_cache_dtype, "--dtype", args.dtype, "--prompts", str(args.prompts),

@@ -15,6 +15,8 @@ from typing import Any
 
 ENABLE_ENV = "TQKV_ENABLE"
 PRESET_ENV = "TQKV_PRESET"
+#: "0": on CUDA, no Inductor graph partition; full CUDA graphs for decode steps only (see compilation_config)
+GRAPH_PARTITION_ENV = "TQKV_GRAPH_PARTITION"
 
 
 def _pass_class():
@@ -38,6 +40,12 @@ def compilation_config(base: dict[str, Any] | None = None, preset: str | None = 
     inductor["post_grad_custom_post_pass"] = _pass_class()()
     config["inductor_compile_config"] = inductor
     if adapter.on_cuda():
+        if os.environ.get(GRAPH_PARTITION_ENV, "1") == "0":
+            # one unsplit graph (the pass sees every attention op), full CUDA graphs for decode steps, prefill
+            # and mixed steps compiled without CUDA graphs
+            config.setdefault("use_inductor_graph_partition", False)
+            config.setdefault("splitting_ops", [])
+            config.setdefault("cudagraph_mode", "FULL_DECODE_ONLY")
         config.setdefault("use_inductor_graph_partition", True)
         if config["use_inductor_graph_partition"]:  # keep our attention op out of piecewise CUDA graphs
             config["splitting_ops"] = adapter.splitting_ops(config.get("splitting_ops"))

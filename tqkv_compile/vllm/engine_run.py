@@ -181,15 +181,31 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                    help="vLLM's enable_prefix_caching (default: vLLM's)")
     p.add_argument("--shared-prefix", type=int, default=0, help="tokens every prompt starts with")
     p.add_argument("--ngram", type=int, default=0, help="n-gram speculative decoding with this many proposed tokens")
-    p.add_argument("--dtype", default="float32", help="activation dtype (vLLM's --dtype)")
+    p.add_argument("--dtype", default=None,
+                   help="activation dtype (vLLM's --dtype); default float32 on the CPU, bfloat16 on CUDA (vLLM's "
+                        "TurboQuant backend takes fp16 / bf16 only)")
+    p.add_argument("--graph-partition", action=argparse.BooleanOptionalAction, default=None,
+                   help="CUDA: Inductor graph partition (default) or one graph with full CUDA graphs for decode only")
     p.add_argument("--init-std", type=float, default=0.08,
                    help="std of the dummy weights (0: vLLM's own, within 1e-3)")
     p.add_argument("--graph-dump", default=None, help="folder for the graph before/after the pass")
     return p.parse_args(argv)
 
 
+def default_dtype() -> str:
+    import torch
+
+    return "bfloat16" if torch.cuda.is_available() else "float32"
+
+
 def main(argv: list[str] | None = None) -> int:
-    result = run(parse(argv))
+    args = parse(argv)
+    args.dtype = args.dtype or default_dtype()
+    if args.graph_partition is not None:
+        from tqkv_compile.vllm import GRAPH_PARTITION_ENV
+
+        os.environ[GRAPH_PARTITION_ENV] = "1" if args.graph_partition else "0"
+    result = run(args)
     sys.stdout.write("TQKV_RESULT " + json.dumps(result) + "\n")
     sys.stdout.flush()
     return 0
