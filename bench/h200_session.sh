@@ -15,7 +15,9 @@ if ! python3 -c "import vllm" 2>/dev/null; then
     step "installing vLLM 0.20 from the bundle"
     bash /root/tqkv-bundle/install_bundle.sh > "$OUT/install.log" 2>&1 || { tail -20 "$OUT/install.log"; exit 1; }
 fi
-if ! python3 -c "import tqkv_compile.vllm" 2>/dev/null; then
+# (from another folder: here the repository root would shadow the install, which maps passes/ and lowerings/
+# into tqkv_compile)
+if ! (cd /tmp && python3 -c "import tqkv_compile.passes, tqkv_compile.lowerings") 2>/dev/null; then
     python3 -m pip install -q --no-deps --no-build-isolation -e . > "$OUT/pip.log" 2>&1 || tail -5 "$OUT/pip.log"
 fi
 python3 - <<'PY' 2>&1 | tee -a "$OUT/steps.log"
@@ -67,7 +69,8 @@ kernels)
 e2e)
     [ -f /tmp/tqkv-no-partition ] && export TQKV_GRAPH_PARTITION=0
     step "tqkv bench e2e: ${2} (graph partition: ${TQKV_GRAPH_PARTITION:-1})"
-    timeout ${4:-570} python3 -m tqkv_compile.bench_e2e --configs "$2" --cases "${3:-64x4096x128,1x32768x128}" --timeout 280 \
+    timeout ${4:-570} python3 -m tqkv_compile.bench_e2e --configs "$2" --cases "${3:-64x4096x128,1x32768x128}" \
+        --timeout ${E2E_CONFIG_TIMEOUT:-280} \
         --out "$OUT/h200-e2e-part.json" 2>&1 | tee "$OUT/e2e.log" | grep -v "s \.\.\.$"
     ;;
 *) echo "usage: bash bench/h200_session.sh agreement|kernels|e2e CONFIGS [CASES]" >&2; exit 2 ;;

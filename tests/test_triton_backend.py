@@ -309,3 +309,48 @@ def test_warm_builds_every_table_before_the_first_call():
             assert (name, 128, "cpu") in triton_attention._LUTS and (name, 128, "cpu") in triton_attention._ORDERS
     key_lut, value_lut = triton_attention._LUTS[("turboquant_4bit_nc", 128, "cpu")]
     assert key_lut.dtype == torch.int32 and key_lut.shape == (8,) and value_lut.shape == (8,)
+
+
+@pytest.mark.parametrize("preset_name", [*PRESETS, *own_preset_names()])
+def test_tables_stay_fp32_when_vllm_loads_under_a_bf16_default_dtype(preset_name):
+    """vLLM builds the model (and calls our process_weights_after_loading, which builds the tables) with
+    torch's default dtype set to the model's: every table must still be fp32, and the kernels must agree with
+    the reference (on the H200 the first real run failed here: a bf16 rotation in an fp32 tl.dot)."""
+    from tqkv_compile import lloyd_max, rotation
+    from tqkv_compile.backends.triton import TritonBackend
+    from tqkv_compile.lowerings import triton_attention
+
+    saved = (dict(rotation._on_device), dict(triton_attention._LUTS), dict(triton_attention._ORDERS))
+    rotation._on_device.clear(), triton_attention._LUTS.clear(), triton_attention._ORDERS.clear()
+    rotation._hadamard_cpu.cache_clear(), lloyd_max._tables.cache_clear()
+    preset = get_preset(preset_name, 64)
+    backend = TritonBackend()
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        backend.warm(preset, torch.device("cpu"))
+        tables = [*backend.tables(preset, torch.device("cpu")), *backend._general_tables(preset, torch.device("cpu"))]
+        if preset.spec.vllm_name is not None:
+            tables += [*triton_attention.lut_tables(preset, torch.device("cpu"))]
+        floats = [t for t in tables if isinstance(t, torch.Tensor) and t.is_floating_point()]
+        assert floats and all(t.dtype == torch.float32 for t in floats), [t.dtype for t in floats]
+        gen = torch.Generator().manual_seed(3)
+        key = torch.randn(20, KV_HEADS, 64, generator=gen, dtype=torch.float32).to(torch.bfloat16)
+        value = torch.randn(20, KV_HEADS, 64, generator=gen, dtype=torch.float32).to(torch.bfloat16)
+        cache = _strided_cache(preset, 4, fill=0)
+        table = torch.arange(4, dtype=torch.int32).view(1, 4)
+        backend.kv_write(key, value, cache, torch.arange(20), preset)
+        query = torch.randn(1, KV_HEADS * 2, 64, generator=gen, dtype=torch.float32).to(torch.bfloat16)
+        lens, starts = torch.tensor([20], dtype=torch.int32), torch.tensor([0, 1], dtype=torch.int32)
+        out = backend.attention(query, cache, table, lens, starts, 0.125, preset)
+    finally:
+        torch.set_default_dtype(previous)
+        rotation._on_device.clear(), triton_attention._LUTS.clear(), triton_attention._ORDERS.clear()
+        rotation._on_device.update(saved[0]), triton_attention._LUTS.update(saved[1])
+        triton_attention._ORDERS.update(saved[2])
+        rotation._hadamard_cpu.cache_clear(), lloyd_max._tables.cache_clear()
+    expected_cache = _strided_cache(preset, 4, fill=0)
+    get_backend("reference").kv_write(key, value, expected_cache, torch.arange(20), preset)
+    assert int((cache != expected_cache).sum()) <= 2
+    expected = get_backend("reference").attention(query, expected_cache, table, lens, starts, 0.125, preset)
+    torch.testing.assert_close(out.float(), expected.float(), **_tolerance(torch.bfloat16))

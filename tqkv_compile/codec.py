@@ -189,7 +189,7 @@ class Preset:
         """fp32 [2^key_bits] Lloyd-Max centroids (empty for fp8 keys); the wide coordinates use
         ``lloyd_max.centroids(head_dim, key_bits + 1)``."""
         if self.key_fp8:
-            return torch.empty(0, device=device)
+            return torch.empty(0, dtype=torch.float32, device=device)
         return lloyd_max.centroids(self.head_dim, self.key_bits).to(device)
 
     def midpoints(self, device: torch.device | str = "cpu") -> torch.Tensor:
@@ -323,10 +323,10 @@ class Preset:
         dim = self.head_dim
         if self.key_fp8:
             keys = slots[..., :dim].contiguous().view(torch.float8_e4m3fn).float()
-            return keys, torch.ones(keys.shape[:-1], device=slots.device)
+            return keys, torch.ones(keys.shape[:-1], dtype=torch.float32, device=slots.device)
         if self.key_outliers:
             keys = self.decode_keys(slots) @ self.rotation(slots.device)
-            return keys, torch.ones(keys.shape[:-1], device=slots.device)
+            return keys, torch.ones(keys.shape[:-1], dtype=torch.float32, device=slots.device)
         return self._decode_lloyd_max(slots, 0, self.key_bits, self.key_wide_coords, self.norm_correction)
 
     def _decode_lloyd_max(self, slots: torch.Tensor, start: int, bits: int, wide: int, norm_correction: bool):

@@ -12,7 +12,7 @@ import torch
 def _hadamard_cpu(dim: int) -> torch.Tensor:
     if dim <= 0 or dim & (dim - 1):
         raise ValueError(f"head_dim must be a power of two for the Hadamard rotation, got {dim}")
-    h = torch.ones(1, 1)
+    h = torch.ones(1, 1, dtype=torch.float32)  # explicit: vLLM loads models under a bf16 default dtype
     while h.shape[0] < dim:
         h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
     return h / math.sqrt(dim)

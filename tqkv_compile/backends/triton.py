@@ -67,7 +67,7 @@ class TritonBackend:
         if key not in self._tables:
             rotation = preset.rotation(device).contiguous()
             if preset.key_fp8:
-                centroids = midpoints = torch.zeros(1, device=device)
+                centroids = midpoints = torch.zeros(1, dtype=torch.float32, device=device)
             else:
                 centroids = preset.centroids(device).contiguous()
                 midpoints = preset.midpoints(device).contiguous()
