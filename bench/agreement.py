@@ -103,6 +103,7 @@ def main(argv: list[str] | None = None) -> int:
             result = run_engine(f"({i}/{len(runs)}) {name}", args.model, [*argv_run, *extra], log_dir,
                                 timeout=args.timeout)
             results[name] = result
+            Path(log_dir, f"{name}.json").write_text(json.dumps(result))  # tokens and logprobs, for later pairs
             summary[name] = {k: result[k] for k in ("start_s", "decode_tok_s", "kv_capacity_tokens", "served_compiled",
                                                     "served_impl", "fallbacks")}
             summary[name]["rewritten"] = result["pass"]["rewritten"]
