@@ -50,6 +50,44 @@ PAIRS = [
 ]
 
 
+# Real text for the prompts (--text): a model's greedy continuation of random token ids sits on near-ties, so
+# any two numerically different runs part within a few tokens; on text they agree long enough to compare.
+# Jane Austen, Pride and Prejudice (1813), chapter 1 (public domain); the shared opening gives prefix caching
+# something to share.
+SHARED_TEXT = ("It is a truth universally acknowledged, that a single man in possession of a good fortune, must be in "
+               "want of a wife. However little known the feelings or views of such a man may be on his first entering "
+               "a neighbourhood, this truth is so well fixed in the minds of the surrounding families, that he is "
+               "considered the rightful property of some one or other of their daughters. ")
+PASSAGES = [
+    "\"My dear Mr. Bennet,\" said his lady to him one day, \"have you heard that Netherfield Park is let at last?\" "
+    "Mr. Bennet replied that he had not. \"But it is,\" returned she; \"for Mrs. Long has just been here, and she "
+    "told me all about it.\" Mr. Bennet made no answer. \"Do you not want to know who has taken it?\" cried his "
+    "wife impatiently. \"You want to tell me, and I have no objection to hearing it.\" This was invitation enough.",
+    "\"Why, my dear, you must know, Mrs. Long says that Netherfield is taken by a young man of large fortune from "
+    "the north of England; that he came down on Monday in a chaise and four to see the place, and was so much "
+    "delighted with it, that he agreed with Mr. Morris immediately; that he is to take possession before "
+    "Michaelmas, and some of his servants are to be in the house by the end of next week.\"",
+    "\"What is his name?\" \"Bingley.\" \"Is he married or single?\" \"Oh! Single, my dear, to be sure! A single "
+    "man of large fortune; four or five thousand a year. What a fine thing for our girls!\" \"How so? How can it "
+    "affect them?\" \"My dear Mr. Bennet,\" replied his wife, \"how can you be so tiresome! You must know that I am "
+    "thinking of his marrying one of them.\"",
+    "\"Is that his design in settling here?\" \"Design! Nonsense, how can you talk so! But it is very likely that he "
+    "may fall in love with one of them, and therefore you must visit him as soon as he comes.\" \"I see no occasion "
+    "for that. You and the girls may go, or you may send them by themselves, which perhaps will be still better, "
+    "for as you are as handsome as any of them, Mr. Bingley may like you the best of the party.\"",
+]
+
+
+def text_prompts(model: str, count: int, path: str) -> str:
+    """Token ids of ``count`` text prompts (the model folder's tokenizer) written to ``path`` as JSON."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    prompts = [tokenizer(SHARED_TEXT + PASSAGES[i % len(PASSAGES)])["input_ids"] for i in range(count)]
+    Path(path).write_text(json.dumps(prompts))
+    return path
+
+
 def _say(message: str) -> None:
     print(f"[agreement] {message}", file=sys.stderr, flush=True)
 
@@ -65,6 +103,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shared-prefix", type=int, default=128)
     p.add_argument("--new-tokens", type=int, default=200)
     p.add_argument("--max-model-len", type=int, default=1024)
+    p.add_argument("--text", action="store_true",
+                   help="prompts from English text (the model folder's tokenizer) instead of random token ids")
     p.add_argument("--runs", default=",".join(RUNS), help="comma-separated, of: " + ", ".join(RUNS))
     p.add_argument("--timeout", type=float, default=180, help="seconds per run")
     p.add_argument("--out", required=True)
@@ -84,6 +124,11 @@ def main(argv: list[str] | None = None) -> int:
     os.environ["VLLM_DISABLE_COMPILE_CACHE"] = "1"
     log_dir = args.log_dir or tempfile.mkdtemp(prefix="tqkv-agreement-")
     os.makedirs(log_dir, exist_ok=True)
+    if args.text:
+        try:
+            common += ["--prompt-ids", text_prompts(args.model, args.prompts, os.path.join(log_dir, "prompts.json"))]
+        except Exception as exc:  # noqa: BLE001  (no tokenizer: say so, and go on with random token ids)
+            _say(f"--text: no tokenizer for {args.model} ({exc}); random token-id prompts instead")
     commit = os.environ.get("TQKV_COMMIT") or subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True,
                                                              text=True).stdout.strip()
     import torch

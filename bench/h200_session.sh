@@ -47,7 +47,7 @@ agreement)
     fi
     step "agreement runs on $model: ${RUNS:-all}"
     timeout ${AGREEMENT_TIMEOUT:-540} python3 bench/agreement.py --model $model $weights --out "$OUT/h200-agreement.json" \
-        --log-dir "$OUT/agreement-logs" --timeout 240 ${RUNS:+--runs $RUNS} 2>&1 | tee "$OUT/agreement.log" | grep -v "s \.\.\.$"
+        --log-dir "$OUT/agreement-logs" --timeout 240 ${RUNS:+--runs $RUNS} ${AGREEMENT_ARGS:-} 2>&1 | tee "$OUT/agreement.log" | grep -v "s \.\.\.$"
     # for the e2e step: graph partition failed where full decode graphs worked -> the benchmark uses the latter
     python3 - "$OUT/h200-agreement.json" <<'PY'
 import json, sys

@@ -108,8 +108,12 @@ def run(args: argparse.Namespace) -> dict:
     config = llm.llm_engine.vllm_config
     with open(os.path.join(args.model, "config.json")) as f:
         vocab = json.load(f)["vocab_size"]
-    prompts = [{"prompt_token_ids": p}
-               for p in _prompts(args.prompts, args.prompt_len, vocab, seed=1, shared_prefix=args.shared_prefix)]
+    if args.prompt_ids:
+        with open(args.prompt_ids) as f:
+            prompts = [{"prompt_token_ids": p} for p in json.load(f)]
+    else:
+        prompts = [{"prompt_token_ids": p}
+                   for p in _prompts(args.prompts, args.prompt_len, vocab, seed=1, shared_prefix=args.shared_prefix)]
     greedy = SamplingParams(temperature=0.0, max_tokens=args.new_tokens, logprobs=args.logprobs, ignore_eos=True)
     one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
 
@@ -180,6 +184,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=None,
                    help="vLLM's enable_prefix_caching (default: vLLM's)")
     p.add_argument("--shared-prefix", type=int, default=0, help="tokens every prompt starts with")
+    p.add_argument("--prompt-ids", default=None, help="JSON file: a list of prompts as token-id lists (instead of "
+                   "random ones)")
     p.add_argument("--ngram", type=int, default=0, help="n-gram speculative decoding with this many proposed tokens")
     p.add_argument("--dtype", default=None,
                    help="activation dtype (vLLM's --dtype); default float32 on the CPU, bfloat16 on CUDA (vLLM's "
