@@ -122,6 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     # vLLM's compile cache would hand a later run an earlier run's graph (its key ignores e.g. prefix caching),
     # and then no pass runs to report what it rewrote
     os.environ["VLLM_DISABLE_COMPILE_CACHE"] = "1"
+    os.environ.setdefault("TQKV_STACK_DUMP_S", "60")  # a run that hangs shows where, in its log
     log_dir = args.log_dir or tempfile.mkdtemp(prefix="tqkv-agreement-")
     os.makedirs(log_dir, exist_ok=True)
     if args.text:

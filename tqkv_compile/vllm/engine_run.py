@@ -204,7 +204,17 @@ def default_dtype() -> str:
     return "bfloat16" if torch.cuda.is_available() else "float32"
 
 
+#: seconds: dump every thread's Python stack to stderr this often while the run lasts (0 / unset: never); for
+#: harnesses whose child may hang (where it hangs is then in its log)
+STACK_DUMP_ENV = "TQKV_STACK_DUMP_S"
+
+
 def main(argv: list[str] | None = None) -> int:
+    period = float(os.environ.get(STACK_DUMP_ENV) or 0)
+    if period > 0:
+        import faulthandler
+
+        faulthandler.dump_traceback_later(period, repeat=True)
     args = parse(argv)
     args.dtype = args.dtype or default_dtype()
     if args.graph_partition is not None:
