@@ -209,12 +209,30 @@ def default_dtype() -> str:
 STACK_DUMP_ENV = "TQKV_STACK_DUMP_S"
 
 
+def _dump_stacks_every(period: float) -> None:
+    """A daemon thread printing every thread's Python stack to stderr every ``period`` seconds. (A Python thread,
+    not faulthandler's C watchdog: that one crashed a run under Triton's interpreter on the CPU. Blocking CUDA
+    calls in torch release the GIL, so a stuck sync still shows.)"""
+    import threading
+    import traceback
+
+    def loop() -> None:
+        while True:
+            time.sleep(period)
+            frames = sys._current_frames()
+            lines = [f"[tqkv stack dump] {len(frames)} threads"]
+            for ident, frame in frames.items():
+                if ident != threading.get_ident():
+                    lines += [f"-- thread {ident}", *traceback.format_stack(frame)[-12:]]
+            print("\n".join(lines), file=sys.stderr, flush=True)
+
+    threading.Thread(target=loop, name="tqkv-stack-dump", daemon=True).start()
+
+
 def main(argv: list[str] | None = None) -> int:
     period = float(os.environ.get(STACK_DUMP_ENV) or 0)
     if period > 0:
-        import faulthandler
-
-        faulthandler.dump_traceback_later(period, repeat=True)
+        _dump_stacks_every(period)
     args = parse(argv)
     args.dtype = args.dtype or default_dtype()
     if args.graph_partition is not None:
