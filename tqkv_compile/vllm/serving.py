@@ -127,12 +127,27 @@ def prepare(impl: Any) -> None:
         warm(preset, device)
 
 
+TRACE_ENV = "TQKV_TRACE"
+
+
+def _trace(op: str, layer: Any, **fields: Any) -> None:
+    """With ``TQKV_TRACE=1``: one line per op call on stderr, flushed before the launch, so that the last line
+    before a stall names the call (shapes only: no host sync)."""
+    if os.environ.get(TRACE_ENV, "0") in ("", "0"):
+        return
+    import sys
+
+    described = " ".join(f"{k}={tuple(v.shape) if isinstance(v, torch.Tensor) else v}" for k, v in fields.items())
+    print(f"[tqkv trace] {op} {layer.layer_name} {described}", file=sys.stderr, flush=True)
+
+
 def write_kv(layer: Any, key, value, kv_cache: torch.Tensor, slot_mapping: torch.Tensor | None, path: str) -> None:
     """Quantize and store this step's K/V (vLLM's order: write, then attend)."""
     if slot_mapping is None:  # profiling run
         return
     preset, cache = _preset_and_cache(layer, kv_cache)
     tokens = slot_mapping.shape[0]
+    _trace("kv_write", layer, path=path, preset=preset.name, key=key, slots=slot_mapping, cache=cache)
     heads, dim = layer.impl.num_kv_heads, layer.impl.head_size
     torch.ops.tqkv.kv_write(
         key[:tokens].view(tokens, heads, dim), value[:tokens].view(tokens, heads, dim), cache, slot_mapping, preset.name
@@ -148,6 +163,8 @@ def attend(layer: Any, query: torch.Tensor, kv_cache: torch.Tensor, metadata: An
     preset, cache = _preset_and_cache(layer, kv_cache)
     block_table, seq_lens, query_start_loc, tokens = adapter.metadata_tensors(metadata)
     heads, dim = layer.impl.num_heads, layer.impl.head_size
+    _trace("attention", layer, path=path, preset=preset.name, tokens=tokens, query=query, block_table=block_table,
+           seq_lens=seq_lens, query_start_loc=query_start_loc, cache=cache)
     out = torch.ops.tqkv.attention(
         query[:tokens].view(tokens, heads, dim), cache, block_table, seq_lens, query_start_loc,
         float(layer.impl.scale), preset.name,
