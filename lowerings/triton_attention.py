@@ -183,12 +183,15 @@ def _row_context(row, qsl_ptr, seq_lens_ptr, num_seqs, SEARCH_STEPS: tl.constexp
 
 
 @triton.jit
-def _split_span(row, kv_head, split, qsl_ptr, seq_lens_ptr, num_seqs, GROUP: tl.constexpr, BLOCK_H: tl.constexpr,
-                BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, SEARCH_STEPS: tl.constexpr):
+def _split_span(row, kv_head, split, qsl_ptr, seq_lens_ptr, num_seqs, max_len, GROUP: tl.constexpr,
+                BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, SEARCH_STEPS: tl.constexpr):
     """One split program's work: (seq, begin, end, q_heads [BLOCK_H], part [BLOCK_H], head_ok [BLOCK_H]) —
     its sequence, the positions [begin, end) of its split (whole tiles), its query heads and their rows in
-    the partial outputs. Callers store -inf partials and return when begin >= end."""
+    the partial outputs. Callers store -inf partials and return when begin >= end. The context is clamped to
+    ``max_len`` (the block table's width in positions): a sequence length the host did not check (CUDA-graph
+    replay, TQKV_CHECK_VALUES=0) cannot make the tile loop run past the table, or for ever."""
     seq, length = _row_context(row, qsl_ptr, seq_lens_ptr, num_seqs, SEARCH_STEPS)
+    length = tl.minimum(length, max_len)
     per_split = tl.cdiv(tl.cdiv(length, NUM_SPLITS), BLOCK_N) * BLOCK_N
     begin = split * per_split
     end = tl.minimum(begin + per_split, length)
@@ -220,7 +223,7 @@ def _softmax_step(scores, m_i, l_i):
 @triton.jit
 def _decode_split_kernel(
     q_ptr, cache_ptr, block_table_ptr, seq_lens_ptr, qsl_ptr, cent_ptr, part_out_ptr, part_lse_ptr,
-    num_seqs,
+    num_seqs, max_len,
     s_qt, s_qh, s_qd, s_bt, s_bm,
     s_blk, s_pos, s_head, s_byte,
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
@@ -234,8 +237,8 @@ def _decode_split_kernel(
     split = tl.program_id(2)
     DTYPE: tl.constexpr = tl.float32 if DOT_FP32 else tl.float16
 
-    seq, begin, end, q_heads, part, head_ok = _split_span(row, kv_head, split, qsl_ptr, seq_lens_ptr, num_seqs, GROUP,
-                                                          BLOCK_H, BLOCK_N, NUM_SPLITS, SEARCH_STEPS)
+    seq, begin, end, q_heads, part, head_ok = _split_span(row, kv_head, split, qsl_ptr, seq_lens_ptr, num_seqs,
+                                                          max_len, GROUP, BLOCK_H, BLOCK_N, NUM_SPLITS, SEARCH_STEPS)
     if begin >= end:
         tl.store(part_lse_ptr + part, tl.full((BLOCK_H,), float("-inf"), tl.float32), mask=head_ok)
         return
@@ -344,7 +347,7 @@ def _meta_fp16(lo, hi, addr):
 @triton.jit
 def _decode_words_kernel(
     q_ptr, cache_ptr, block_table_ptr, seq_lens_ptr, qsl_ptr, cent_ptr, part_out_ptr, part_lse_ptr,
-    num_seqs,
+    num_seqs, max_len,
     s_qt, s_qh, s_qd, s_bt, s_bm,
     s_blk, s_pos, s_head,
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
@@ -366,8 +369,8 @@ def _decode_words_kernel(
     PRECISION: tl.constexpr = "ieee" if DOT_FP32 else None
     wptr = cache_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
 
-    seq, begin, end, q_heads, part, head_ok = _split_span(row, kv_head, split, qsl_ptr, seq_lens_ptr, num_seqs, GROUP,
-                                                          BLOCK_H, BLOCK_N, NUM_SPLITS, SEARCH_STEPS)
+    seq, begin, end, q_heads, part, head_ok = _split_span(row, kv_head, split, qsl_ptr, seq_lens_ptr, num_seqs,
+                                                          max_len, GROUP, BLOCK_H, BLOCK_N, NUM_SPLITS, SEARCH_STEPS)
     if begin >= end:
         tl.store(part_lse_ptr + part, tl.full((BLOCK_H,), float("-inf"), tl.float32), mask=head_ok)
         return
@@ -524,7 +527,7 @@ def _fp8x4_fp16(words):
 def _decode_stream_kernel(
     q_ptr, cache_ptr, block_table_ptr, seq_lens_ptr, qsl_ptr, cent_ptr, key_lut_ptr, value_lut_ptr,
     part_out_ptr, part_lse_ptr,
-    num_seqs,
+    num_seqs, max_len,
     s_qt, s_qh, s_qd, s_bt, s_bm,
     s_blk, s_pos, s_head,
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
@@ -548,8 +551,8 @@ def _decode_stream_kernel(
     vptr = cache_ptr.to(tl.pointer_type(tl.int32 if VALUE_WORD == 4 else tl.int16), bitcast=True)
     hptr = cache_ptr.to(tl.pointer_type(tl.float16), bitcast=True)
 
-    seq, begin, end, q_heads, part, head_ok = _split_span(row, kv_head, split, qsl_ptr, seq_lens_ptr, num_seqs, GROUP,
-                                                          BLOCK_H, BLOCK_N, NUM_SPLITS, SEARCH_STEPS)
+    seq, begin, end, q_heads, part, head_ok = _split_span(row, kv_head, split, qsl_ptr, seq_lens_ptr, num_seqs,
+                                                          max_len, GROUP, BLOCK_H, BLOCK_N, NUM_SPLITS, SEARCH_STEPS)
     if begin >= end:
         tl.store(part_lse_ptr + part, tl.full((BLOCK_H,), float("-inf"), tl.float32), mask=head_ok)
         return
@@ -840,7 +843,7 @@ def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: t
         key_lut, value_lut = luts if luts is not None else lut_tables(preset, query.device)
         launch(_decode_stream_kernel)[(rows, kv_heads, splits)](
             q, kv_cache, block_table, seq_lens, query_start_loc, centroids, key_lut, value_lut, part_out, part_lse,
-            num_seqs, *q.stride(), *block_table.stride(), *kv_cache.stride()[:3],
+            num_seqs, max_len, *q.stride(), *block_table.stride(), *kv_cache.stride()[:3],
             GROUP=common["GROUP"], BLOCK_H=common["BLOCK_H"], D=dim, BLOCK_SIZE=kv_cache.shape[1], BLOCK_N=block_n,
             NUM_SPLITS=splits, SEARCH_STEPS=common["SEARCH_STEPS"], KEY_FP8=preset.key_fp8,
             KEY_CODE_BYTES=preset.key_code_bytes, NORM_CORRECTION=preset.norm_correction,
@@ -858,7 +861,7 @@ def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: t
             q = torch.matmul(query.float(), rotation[:, order] * (scale * LOG2E))
         launch(_decode_words_kernel)[(rows, kv_heads, splits)](
             q, kv_cache, block_table, seq_lens, query_start_loc, centroids, part_out, part_lse,
-            num_seqs, *q.stride(), *block_table.stride(), *kv_cache.stride()[:3],
+            num_seqs, max_len, *q.stride(), *block_table.stride(), *kv_cache.stride()[:3],
             **common, num_warps=num_warps or 4, num_stages=num_stages or 2,
         )
     else:
@@ -867,7 +870,7 @@ def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: t
         q = (query.float() if preset.key_fp8 else torch.matmul(query.float(), rotation)) * (scale * LOG2E)
         launch(_decode_split_kernel)[(rows, kv_heads, splits)](
             q, kv_cache, block_table, seq_lens, query_start_loc, centroids, part_out, part_lse,
-            num_seqs,
+            num_seqs, max_len,
             *q.stride(), *block_table.stride(), *kv_cache.stride(),
             **common, num_warps=num_warps or 4, num_stages=num_stages or 2,
         )

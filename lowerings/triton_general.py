@@ -206,7 +206,7 @@ def _scores(q, q_raw_ptr, q_heads, head_ok, cache_ptr, cent_ptr, rot_ptr, base, 
 @triton.jit
 def _general_decode_kernel(
     q_ptr, q_raw_ptr, cache_ptr, block_table_ptr, seq_lens_ptr, qsl_ptr, cent_ptr, rot_ptr, part_out_ptr,
-    part_lse_ptr, num_seqs,
+    part_lse_ptr, num_seqs, max_len,
     s_bt, s_bm, s_blk, s_pos, s_head, s_byte,
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, SEARCH_STEPS: tl.constexpr,
@@ -223,8 +223,8 @@ def _general_decode_kernel(
     DTYPE: tl.constexpr = tl.float32 if DOT_FP32 else tl.float16
     PRECISION: tl.constexpr = "ieee" if DOT_FP32 else None
 
-    seq, begin, end, q_heads, part, head_ok = _split_span(row, kv_head, split, qsl_ptr, seq_lens_ptr, num_seqs, GROUP,
-                                                          BLOCK_H, BLOCK_N, NUM_SPLITS, SEARCH_STEPS)
+    seq, begin, end, q_heads, part, head_ok = _split_span(row, kv_head, split, qsl_ptr, seq_lens_ptr, num_seqs,
+                                                          max_len, GROUP, BLOCK_H, BLOCK_N, NUM_SPLITS, SEARCH_STEPS)
     heads = GROUP * tl.num_programs(1)
     if begin >= end:
         tl.store(part_lse_ptr + part, tl.full((BLOCK_H,), float("-inf"), tl.float32), mask=head_ok)
@@ -267,7 +267,8 @@ def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: t
         return out
     interpret = query.device.type == "cpu"
     block_n = block_n or (16 if interpret else 32)
-    splits = num_splits(rows, kv_heads, block_table.shape[1] * kv_cache.shape[1], query.device, block_n)
+    max_len = block_table.shape[1] * kv_cache.shape[1]  # positions the block table can address
+    splits = num_splits(rows, kv_heads, max_len, query.device, block_n)
     q_raw = (query.float() * (scale * LOG2E)).contiguous()
     q = torch.matmul(q_raw, rotation).contiguous()
     part_out = torch.empty(rows, heads, splits, dim, dtype=torch.float32, device=query.device)
@@ -275,7 +276,7 @@ def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: t
     num_seqs = seq_lens.shape[0]
     _general_decode_kernel[(rows, kv_heads, splits)](
         q, q_raw, kv_cache, block_table, seq_lens, query_start_loc, centroids, rotation, part_out, part_lse,
-        num_seqs, *block_table.stride(), *kv_cache.stride(),
+        num_seqs, max_len, *block_table.stride(), *kv_cache.stride(),
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), D=dim, BLOCK_SIZE=kv_cache.shape[1],
         BLOCK_N=block_n, NUM_SPLITS=splits, SEARCH_STEPS=max(1, math.ceil(math.log2(num_seqs + 1))),
         KEY_BITS=preset.key_bits, KEY_WIDE=preset.key_wide_coords, KEY_CODE_BYTES=preset.key_code_bytes,

@@ -354,3 +354,30 @@ def test_tables_stay_fp32_when_vllm_loads_under_a_bf16_default_dtype(preset_name
     assert int((cache != expected_cache).sum()) <= 2
     expected = get_backend("reference").attention(query, expected_cache, table, lens, starts, 0.125, preset)
     torch.testing.assert_close(out.float(), expected.float(), **_tolerance(torch.bfloat16))
+
+
+@pytest.mark.parametrize("kernel", ["stream", "words", "bytes", "general"])
+def test_a_sequence_length_past_the_block_table_reads_only_the_table(kernel):
+    """Lengths are checked on the host only outside CUDA-graph capture and with TQKV_CHECK_VALUES on; a length
+    the host did not check is clamped in the kernel to the positions the block table addresses (the same result
+    as that length), so the tile loop can neither read past the table nor run for ever."""
+    from tqkv_compile.lowerings import triton_attention, triton_general
+
+    preset = get_preset("tqkv_k5v3" if kernel == "general" else "turboquant_4bit_nc", 64)
+    cache, table, _ = _filled_cache(preset, [40, 20], seed=9)
+    width = table.shape[1] * BLOCK
+    query = torch.randn(2, KV_HEADS * 2, 64, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    starts = torch.tensor([0, 1, 2], dtype=torch.int32)
+    backend = get_backend("triton")
+
+    def attend(lengths):
+        seq_lens = torch.tensor(lengths, dtype=torch.int32)
+        if kernel == "general":
+            rotation, centroids, _, offsets = backend._general_tables(preset, query.device)
+            return triton_general.decode_attention(query, cache, table, seq_lens, starts, 0.125, preset, rotation,
+                                                   centroids, offsets)
+        rotation, centroids, _ = backend.tables(preset, query.device)
+        return triton_attention.decode_attention(query, cache, table, seq_lens, starts, 0.125, preset, rotation,
+                                                 centroids, kernel=kernel)
+
+    torch.testing.assert_close(attend([40, 10_000]), attend([40, width]), atol=0, rtol=0)
