@@ -757,7 +757,8 @@ def lut_tables(preset: Preset, device: torch.device) -> tuple[torch.Tensor, torc
     value codes. Built before CUDA-graph capture by ``TritonBackend.warm``."""
     key = (preset.name, preset.head_dim, str(device))
     if key not in _LUTS:
-        cents = preset.centroids("cpu").float() if not preset.key_fp8 and preset.key_bits == 4 else torch.zeros(16, dtype=torch.float32)
+        four_bit_keys = not preset.key_fp8 and preset.key_bits == 4
+        cents = preset.centroids("cpu").float() if four_bit_keys else torch.zeros(16, dtype=torch.float32)
         _LUTS[key] = (_lut_words(cents).to(device),
                       _lut_words(1024.0 + torch.arange(16, dtype=torch.float32)).to(device))
     return _LUTS[key]

@@ -193,7 +193,7 @@ def kv_dot(
     if backends.validate_enabled() and backend.name != "reference":
         expected = backends.get_backend("reference").kv_dot(query, kv_cache, block_table, seq_lens, scale, p)
         finite = torch.isfinite(expected)
-        diff = (expected[finite] - out[finite]).abs().max() if bool(finite.any()) else torch.tensor(0.0, dtype=torch.float32)
+        diff = (expected[finite] - out[finite]).abs().max() if bool(finite.any()) else torch.zeros((), dtype=torch.float32)
         if not torch.equal(finite, torch.isfinite(out)):
             diff = torch.tensor(float("inf"), dtype=torch.float32)
         backends.record_validation("kv_dot", backend.name, float(diff))

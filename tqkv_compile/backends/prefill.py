@@ -16,47 +16,39 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from tqkv_compile.backends.reference import gather_slots
+from tqkv_compile.backends.reference import decoded_keys_values, rotated_query
 from tqkv_compile.codec import Preset
 
 #: sequences with more new tokens than this take the dense path (vLLM 0.20's continuation threshold too)
 DENSE_MIN_NEW_TOKENS = 128
 
 
-def plan(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, rows: int) -> list[int] | None:
-    """Sequences (indices) with more than DENSE_MIN_NEW_TOKENS new tokens; None when a batch cannot have any
-    (no host sync then)."""
+def plan(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, rows: int) -> tuple[list[int], list[int]] | None:
+    """(query_start_loc on the host, the sequences with more than DENSE_MIN_NEW_TOKENS new tokens), or None when
+    there are none; None without a host sync when the batch cannot have any."""
     num_seqs = seq_lens.shape[0]
     if rows <= num_seqs or rows <= DENSE_MIN_NEW_TOKENS:
         return None
     if query_start_loc.is_cuda and torch.cuda.is_current_stream_capturing():
         return None  # no host reads inside CUDA-graph capture; the kernels serve every row
     starts = query_start_loc[: num_seqs + 1].tolist()
-    return [b for b in range(num_seqs) if starts[b + 1] - starts[b] > DENSE_MIN_NEW_TOKENS] or None
+    dense = [b for b in range(num_seqs) if starts[b + 1] - starts[b] > DENSE_MIN_NEW_TOKENS]
+    return (starts, dense) if dense else None
 
 
-def dense_attention(query, kv_cache, block_table, seq_lens, query_start_loc, scale: float, preset: Preset,
+def dense_attention(query, kv_cache, block_table, seq_lens, starts: list[int], scale: float, preset: Preset,
                     seqs: list[int], out: torch.Tensor) -> None:
-    """Writes the attention of sequences ``seqs`` (their rows of ``query``) into ``out``."""
-    starts = query_start_loc.tolist()
+    """Writes the attention of sequences ``seqs`` (their rows of ``query``, from ``starts``: query_start_loc on
+    the host) into ``out``."""
     lengths = seq_lens.tolist()
-    kv_heads = kv_cache.shape[2]
-    heads, dim = query.shape[1], query.shape[2]
-    group = heads // kv_heads
-    rotation = None if preset.key_fp8 else preset.rotation(query.device)
+    group = query.shape[1] // kv_cache.shape[2]
     for b in seqs:
         start, end, length = starts[b], starts[b + 1], lengths[b]
         new = end - start
-        slots = gather_slots(kv_cache, block_table[b], length)
-        unit, norm = preset.decode_keys_rotated(slots)
-        keys = (unit * norm[..., None]).to(query.dtype)  # [L, Hk, D], stored basis
-        values = preset.decode_values(slots).to(query.dtype)
-        q = query[start:end].float()
-        if rotation is not None:  # <q @ H, k_rot> = <q, k>: rotate the query, not the keys
-            q = q @ rotation
-        q = q.to(query.dtype).transpose(0, 1).unsqueeze(0)  # [1, Hq, new, D]
-        k = keys.transpose(0, 1).repeat_interleave(group, 0).unsqueeze(0)  # [1, Hq, L, D]
-        v = values.transpose(0, 1).repeat_interleave(group, 0).unsqueeze(0)
+        keys, values = decoded_keys_values(kv_cache, block_table[b], length, preset)  # [L, Hk, D], stored basis
+        q = rotated_query(query[start:end], preset).to(query.dtype).transpose(0, 1).unsqueeze(0)  # [1, Hq, new, D]
+        k = keys.to(query.dtype).transpose(0, 1).repeat_interleave(group, 0).unsqueeze(0)  # [1, Hq, L, D]
+        v = values.to(query.dtype).transpose(0, 1).repeat_interleave(group, 0).unsqueeze(0)
         if new == length:
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
         else:  # the new tokens are the last `new` of `length`: causal aligned bottom-right

@@ -19,6 +19,20 @@ def gather_slots(kv_cache: torch.Tensor, block_row: torch.Tensor, length: int) -
     return kv_cache[blocks, pos % block_size]
 
 
+def rotated_query(query: torch.Tensor, preset: Preset) -> torch.Tensor:
+    """fp32 query in the basis the keys are stored in: q @ H (H symmetric), so <q, k_hat> = <q @ H, k_rot>
+    and no key is rotated back (the fp8 preset stores keys unrotated)."""
+    q = query.float()
+    return q if preset.key_fp8 else q @ preset.rotation(q.device)
+
+
+def decoded_keys_values(kv_cache, block_row, length, preset: Preset) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sequence's keys in the stored basis (times their norms) and values, fp32 [L, Hk, D]."""
+    slots = gather_slots(kv_cache, block_row, length)
+    unit, norm = preset.decode_keys_rotated(slots)
+    return unit * norm[..., None], preset.decode_values(slots)
+
+
 class ReferenceBackend:
     name = "reference"
 
@@ -34,20 +48,6 @@ class ReferenceBackend:
         encoded = preset.encode(key[keep], value[keep]).to(kv_cache.device)
         kv_cache[slots // block_size, slots % block_size] = encoded
 
-    @staticmethod
-    def _rotated(query: torch.Tensor, preset: Preset) -> torch.Tensor:
-        """fp32 query in the basis the keys are stored in: q @ H (H symmetric), so <q, k_hat> = <q @ H, k_rot>
-        and no key is rotated back (the fp8 preset stores keys unrotated)."""
-        q = query.float()
-        return q if preset.key_fp8 else q @ preset.rotation(q.device)
-
-    @staticmethod
-    def _keys_values(kv_cache, block_row, length, preset: Preset):
-        """Keys in the stored basis (times their norms) and values, fp32 [L, Hk, D]."""
-        slots = gather_slots(kv_cache, block_row, length)
-        unit, norm = preset.decode_keys_rotated(slots)
-        return unit * norm[..., None], preset.decode_values(slots)
-
     def attention(self, query, kv_cache, block_table, seq_lens, query_start_loc, scale, preset: Preset):
         out = torch.zeros_like(query)
         kv_heads = kv_cache.shape[2]
@@ -62,8 +62,8 @@ class ReferenceBackend:
             new = end - start
             if new <= 0:
                 continue
-            keys, values = self._keys_values(kv_cache, block_table[b], length, preset)
-            q = self._rotated(query[start:end], preset).view(new, kv_heads, group, -1)
+            keys, values = decoded_keys_values(kv_cache, block_table[b], length, preset)
+            q = rotated_query(query[start:end], preset).view(new, kv_heads, group, -1)
             scores = torch.einsum("nkgd,lkd->kgnl", q, keys) * scale
             query_pos = torch.arange(length - new, length, device=q.device)
             future = torch.arange(length, device=q.device)[None, :] > query_pos[:, None]
@@ -83,7 +83,7 @@ class ReferenceBackend:
         unit, norm = preset.decode_keys_rotated(slots)
         keys, values = unit * norm[..., None], preset.decode_values(slots)
         rows = torch.tensor(starts[:-1], device=query.device)
-        q = self._rotated(query[rows], preset).view(batch, kv_heads, -1, query.shape[-1])
+        q = rotated_query(query[rows], preset).view(batch, kv_heads, -1, query.shape[-1])
         scores = torch.einsum("bkgd,blkd->bkgl", q, keys) * scale
         probs = torch.softmax(scores.masked_fill(~valid[:, None, None, :], float("-inf")), dim=-1)
         o = torch.einsum("bkgl,blkd->bkgd", probs, values)
@@ -97,7 +97,7 @@ class ReferenceBackend:
         for b, length in enumerate(seq_lens.tolist()):
             if length <= 0:
                 continue
-            keys, _ = self._keys_values(kv_cache, block_table[b], length, preset)
-            q = self._rotated(query[b], preset).view(kv_heads, heads // kv_heads, -1)
+            keys, _ = decoded_keys_values(kv_cache, block_table[b], length, preset)
+            q = rotated_query(query[b], preset).view(kv_heads, heads // kv_heads, -1)
             logits[b, :, :length] = torch.einsum("kgd,lkd->kgl", q, keys).reshape(heads, length) * scale
         return logits

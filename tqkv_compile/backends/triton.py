@@ -101,12 +101,12 @@ class TritonBackend:
     def attention(self, query, kv_cache, block_table, seq_lens, query_start_loc, scale, preset: Preset):
         """The decode kernels for every sequence, except those with many new tokens (prefill), which get the
         dense path (:mod:`tqkv_compile.backends.prefill`)."""
-        dense = prefill.plan(query_start_loc, seq_lens, query.shape[0])
-        if dense is None:
+        planned = prefill.plan(query_start_loc, seq_lens, query.shape[0])
+        if planned is None:
             return self._kernel_attention(query, kv_cache, block_table, seq_lens, query_start_loc, scale, preset)
+        starts, dense = planned
         out = torch.empty_like(query)
-        starts = query_start_loc.tolist()
-        short = [b for b in range(seq_lens.shape[0]) if b not in set(dense)]
+        short = sorted(set(range(seq_lens.shape[0])) - set(dense))
         if short:
             if short == list(range(len(short))):  # vLLM's order: decodes first, so usually a plain prefix
                 rows = slice(0, starts[len(short)])
@@ -120,7 +120,7 @@ class TritonBackend:
                 sub = self._kernel_attention(query[index], kv_cache, block_table[picked], seq_lens[picked],
                                              counts.to(query_start_loc.device, query_start_loc.dtype), scale, preset)
                 out[index] = sub
-        prefill.dense_attention(query, kv_cache, block_table, seq_lens, query_start_loc, scale, preset, dense, out)
+        prefill.dense_attention(query, kv_cache, block_table, seq_lens, starts, scale, preset, dense, out)
         return out
 
     def _kernel_attention(self, query, kv_cache, block_table, seq_lens, query_start_loc, scale, preset: Preset):
