@@ -75,6 +75,8 @@ def run(args: argparse.Namespace) -> dict:
         kwargs["max_num_batched_tokens"] = args.max_num_batched_tokens
     if args.prefix_caching is not None:
         kwargs["enable_prefix_caching"] = args.prefix_caching
+    if args.async_scheduling is not None:
+        kwargs["async_scheduling"] = args.async_scheduling
     if args.ngram:  # speculative decoding: n-gram proposals from the prompt, verified by the model
         kwargs["speculative_config"] = {"method": "ngram", "num_speculative_tokens": args.ngram,
                                         "prompt_lookup_max": 4, "prompt_lookup_min": 2}
@@ -183,6 +185,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                    help="vLLM's token budget per step; below the prompt length, prefill is chunked")
     p.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=None,
                    help="vLLM's enable_prefix_caching (default: vLLM's)")
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="vLLM's async_scheduling (default: vLLM's)")
     p.add_argument("--shared-prefix", type=int, default=0, help="tokens every prompt starts with")
     p.add_argument("--prompt-ids", default=None, help="JSON file: a list of prompts as token-id lists (instead of "
                    "random ones)")
@@ -223,10 +227,23 @@ def _dump_stacks_every(period: float) -> None:
             lines = [f"[tqkv stack dump] {len(frames)} threads"]
             for ident, frame in frames.items():
                 if ident != threading.get_ident():
-                    lines += [f"-- thread {ident}", *traceback.format_stack(frame)[-12:]]
+                    lines += [f"-- thread {ident}", *traceback.format_stack(frame)[-40:], *_layers_on(frame)]
             print("\n".join(lines), file=sys.stderr, flush=True)
 
     threading.Thread(target=loop, name="tqkv-stack-dump", daemon=True).start()
+
+
+def _layers_on(frame) -> list[str]:
+    """The attention layers (``layer_name``) and model layer indices on a thread's stack, innermost first: which
+    layer a stuck call belongs to."""
+    found = []
+    while frame is not None:
+        owner = frame.f_locals.get("self")
+        name = getattr(owner, "layer_name", None) or getattr(owner, "prefix", None)
+        if isinstance(name, str) and name:
+            found.append(f"   on the stack: {type(owner).__name__} {name}")
+        frame = frame.f_back
+    return found[:6]
 
 
 def main(argv: list[str] | None = None) -> int:
