@@ -8,7 +8,8 @@ Known versions:
   ``[num_blocks, block_size, num_kv_heads, slot_size_aligned]`` (positions first). With
   ``use_inductor_graph_partition`` Inductor splits CUDA-graph partitions at ``splitting_ops``, which must then
   name our attention wrapper (it replaces vLLM's op there); attention tables are built before graph capture.
-  (Read from vLLM 0.20's sources; not yet run on a GPU.)
+  With a TurboQuant cache vLLM 0.20 runs the layers it keeps uncompressed with FlashAttention-2, whose library
+  has no sm_90 code (see the end of this module). Run on an H200: the pass rewrites 26 of SmolLM2's 30 layers.
 
 Unknown versions: the integration stays off and says so (``unsupported_reason``).
 """
@@ -224,3 +225,78 @@ def layer_name_type() -> Any:
     from vllm.utils.torch_utils import LayerNameType
 
     return LayerNameType
+
+
+# -- vLLM 0.20 on Hopper: FlashAttention-2 for the layers a TurboQuant cache keeps in bf16 -------------
+# vLLM 0.20 forces FlashAttention-2 whenever the cache dtype is TurboQuant (arg_utils: "TurboQuant is not yet
+# compatible with FlashAttention >= 3"), for the boundary layers it keeps uncompressed. Its wheel's FA2 library
+# carries code for sm_80 only (52 kernel modules, 145 MB of sm_80 code, 436 MB of sm_80 PTX; no sm_90), so on an
+# H100 / H200 the driver compiles each FA2 module from PTX when it is first launched. On the H200 the first
+# eager decode step of vLLM's own TurboQuant and of tqkv alike sat in FA2 of layer 0 for minutes
+# (bench/results/h200-vllm020-notes.md). Not ours to fix; ours to say.
+
+_FATBIN_MAGIC = (0xBA55ED50).to_bytes(4, "little")
+_FATBIN_KINDS = {1: "ptx", 2: "sass"}
+
+
+def fatbin_archs(blob) -> dict[str, list[int]]:
+    """The GPU architectures in the CUDA fat binaries embedded in a shared library's bytes (``bytes`` or an
+    ``mmap``): ``{"sass": [80, ...], "ptx": [80, ...]}`` (80 = sm_80). SASS for sm_XY runs on sm_XZ, Z >= Y;
+    PTX is compiled by the driver on first use."""
+    found: dict[str, set[int]] = {"sass": set(), "ptx": set()}
+    pos = blob.find(_FATBIN_MAGIC)
+    while pos >= 0:
+        header_size = int.from_bytes(blob[pos + 6 : pos + 8], "little")
+        fat_size = int.from_bytes(blob[pos + 8 : pos + 16], "little")
+        entry, end = pos + header_size, pos + header_size + fat_size
+        while entry + 32 <= end:
+            kind = int.from_bytes(blob[entry : entry + 2], "little")
+            entry_header = int.from_bytes(blob[entry + 4 : entry + 8], "little")
+            payload = int.from_bytes(blob[entry + 8 : entry + 16], "little")
+            arch = int.from_bytes(blob[entry + 28 : entry + 32], "little")
+            if kind in _FATBIN_KINDS:
+                found[_FATBIN_KINDS[kind]].add(arch)
+            if entry_header == 0:
+                break
+            entry += entry_header + payload
+        pos = blob.find(_FATBIN_MAGIC, max(end, pos + 4))
+    return {kind: sorted(archs) for kind, archs in found.items()}
+
+
+@functools.cache
+def fa2_native_archs() -> dict[str, list[int]] | None:
+    """``fatbin_archs`` of vLLM's FlashAttention-2 library, or None where vLLM has none (CPU builds)."""
+    import glob
+    import importlib.util
+    import mmap
+    import os
+
+    spec = importlib.util.find_spec("vllm.vllm_flash_attn")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    libraries = [p for d in spec.submodule_search_locations for p in glob.glob(os.path.join(d, "_vllm_fa2_C*.so"))]
+    if not libraries:
+        return None
+    with open(libraries[0], "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as blob:
+        return fatbin_archs(blob)
+
+
+def fa2_jit_warning(archs: dict[str, list[int]] | None, capability: tuple[int, int], cache_maxsize: str | None
+                    ) -> str | None:
+    """What to tell a user whose GPU (``capability``) has no native code in vLLM's FA2 library (``archs``,
+    from :func:`fa2_native_archs`); None when it has some or there is no such library."""
+    if not archs:
+        return None
+    major, minor = capability
+    arch = major * 10 + minor
+    if any(a // 10 == major and a % 10 <= minor for a in archs["sass"]):
+        return None
+    ptx = [a for a in archs["ptx"] if a <= arch]
+    how = (f"the CUDA driver compiles each FA2 kernel module from sm_{max(ptx)} PTX the first time it runs (on an "
+           "H200 the first decode step of vLLM 0.20's own TurboQuant engine, and of tqkv's, waited in FA2 for "
+           "minutes)" if ptx else "FA2 cannot run on this GPU")
+    sass = ", ".join(f"sm_{a}" for a in archs["sass"]) or "none"
+    advice = (" Keep the compiled modules for later starts: CUDA_CACHE_MAXSIZE=4294967296 (the driver's JIT cache, "
+              "CUDA_CACHE_PATH, default ~/.nv/ComputeCache)." if ptx and not cache_maxsize else "")
+    return (f"vLLM runs the layers a TurboQuant cache keeps uncompressed with FlashAttention-2, whose library here "
+            f"has native code for {sass} only, not this GPU's sm_{arch}: {how}.{advice}")

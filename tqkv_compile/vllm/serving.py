@@ -117,6 +117,7 @@ def prepare(impl: Any) -> None:
         return
     if head_size not in SUPPORTED_HEAD_DIMS:
         return
+    _warn_about_fa2_once()
     from tqkv_compile import backends
 
     preset = get_preset(stored_preset(dtype), head_size)
@@ -125,6 +126,22 @@ def prepare(impl: Any) -> None:
     warm = getattr(backend, "warm", None)
     if warm is not None:
         warm(preset, device)
+
+
+_fa2_checked = False
+
+
+def _warn_about_fa2_once() -> None:
+    """Say once per process when vLLM's FlashAttention-2 (its path for the layers a TurboQuant cache keeps
+    uncompressed) has no native code for this GPU (adapter.fa2_jit_warning)."""
+    global _fa2_checked
+    if _fa2_checked:
+        return
+    _fa2_checked = True
+    message = adapter.fa2_jit_warning(adapter.fa2_native_archs(), torch.cuda.get_device_capability(),
+                                      os.environ.get("CUDA_CACHE_MAXSIZE"))
+    if message:
+        logger.warning("tqkv: %s", message)
 
 
 TRACE_ENV = "TQKV_TRACE"
