@@ -20,31 +20,40 @@ import torch
 
 
 def _cases(head: int):
-    """(label, q heads, kv heads, query lengths, context lengths): decode (one new token per sequence, where
-    FA2 may split the context) and prefill, as in the engine's steps."""
+    """(label, q heads, kv heads, query lengths, context lengths, paged): decode over the paged cache (one new
+    token per sequence: FA2 then runs its non-causal split-KV kernels), prefill over the paged cache (causal
+    split-KV kernels), and prefill over contiguous K/V (vLLM's own TurboQuant prefill: the non-split kernels)."""
     groups = {64: (9, 3), 128: (32, 8), 256: (16, 8)}[head]
-    yield "decode", *groups, [1] * 4, [176, 180, 184, 190]
-    yield "decode_long", *groups, [1] * 4, [4096] * 4
-    yield "prefill", *groups, [176, 180, 184, 190], [176, 180, 184, 190]
+    yield "decode", *groups, [1] * 4, [176, 180, 184, 190], True
+    yield "decode_long", *groups, [1] * 4, [4096] * 4, True
+    yield "prefill", *groups, [176, 180, 184, 190], [176, 180, 184, 190], True
+    yield "prefill_contiguous", *groups, [176, 180, 184, 190], [176, 180, 184, 190], False
 
 
-def run_case(head: int, label: str, hq: int, hk: int, q_lens: list[int], k_lens: list[int], block: int = 16):
+def _cumulative(lengths: list[int], dev) -> torch.Tensor:
+    return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device=dev, dtype=torch.int32)
+
+
+def run_case(head: int, hq: int, hk: int, q_lens: list[int], k_lens: list[int], paged: bool, block: int = 16):
     from vllm.vllm_flash_attn import flash_attn_varlen_func
 
     dev = torch.device("cuda")
-    blocks_per_seq = max(k_lens) // block + 1
-    cache = torch.randn(2, len(k_lens) * blocks_per_seq, block, hk, head, device=dev, dtype=torch.bfloat16)
-    table = torch.arange(len(k_lens) * blocks_per_seq, device=dev, dtype=torch.int32).view(len(k_lens), -1)
     q = torch.randn(sum(q_lens), hq, head, device=dev, dtype=torch.bfloat16)
-    cu_q = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], device=dev, dtype=torch.int32)
-    seqused = torch.tensor(k_lens, device=dev, dtype=torch.int32)
+    if paged:
+        blocks_per_seq = max(k_lens) // block + 1
+        cache = torch.randn(2, len(k_lens) * blocks_per_seq, block, hk, head, device=dev, dtype=torch.bfloat16)
+        table = torch.arange(len(k_lens) * blocks_per_seq, device=dev, dtype=torch.int32).view(len(k_lens), -1)
+        kv = dict(k=cache[0], v=cache[1], block_table=table,
+                  seqused_k=torch.tensor(k_lens, device=dev, dtype=torch.int32))
+    else:
+        keys = torch.randn(2, sum(k_lens), hk, head, device=dev, dtype=torch.bfloat16)
+        kv = dict(k=keys[0], v=keys[1], cu_seqlens_k=_cumulative(k_lens, dev))
     out = torch.empty_like(q)
     times = []
     for _ in range(2):
         t0 = time.perf_counter()
-        flash_attn_varlen_func(q=q, k=cache[0], v=cache[1], out=out, cu_seqlens_q=cu_q, max_seqlen_q=max(q_lens),
-                               seqused_k=seqused, max_seqlen_k=max(k_lens), softmax_scale=head ** -0.5, causal=True,
-                               block_table=table, fa_version=2)
+        flash_attn_varlen_func(q=q, out=out, cu_seqlens_q=_cumulative(q_lens, dev), max_seqlen_q=max(q_lens),
+                               max_seqlen_k=max(k_lens), softmax_scale=head ** -0.5, causal=True, fa_version=2, **kv)
         torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
     return times
@@ -65,10 +74,10 @@ def main(argv: list[str] | None = None) -> int:
     lines = [json.dumps({"meta": info})]
     print(lines[-1], flush=True)
     for head in (int(h) for h in args.head_sizes.split(",")):
-        for label, hq, hk, q_lens, k_lens in _cases(head):
+        for label, hq, hk, q_lens, k_lens, paged in _cases(head):
             print(f"[fa2] head {head} {label}: first launch (a driver JIT compile can take minutes) ...",
                   file=sys.stderr, flush=True)
-            first, second = run_case(head, label, hq, hk, q_lens, k_lens)
+            first, second = run_case(head, hq, hk, q_lens, k_lens, paged)
             lines.append(json.dumps(dict(head=head, case=label, first_s=round(first, 3), second_s=round(second, 5))))
             print(lines[-1], flush=True)
     if args.out:
