@@ -119,7 +119,8 @@ def run(args: argparse.Namespace) -> dict:
     greedy = SamplingParams(temperature=0.0, max_tokens=args.new_tokens, logprobs=args.logprobs, ignore_eos=True)
     one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
 
-    llm.generate(prompts, one, use_tqdm=False)  # warm-up
+    # warm-up with decode steps: what the first decode step compiles or loads stays out of the timing
+    llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True), use_tqdm=False)
     t0 = time.perf_counter()
     llm.generate(prompts, one, use_tqdm=False)
     t1 = time.perf_counter()
