@@ -71,18 +71,20 @@ def main(argv: list[str] | None = None) -> int:
     info = dict(device=torch.cuda.get_device_name(), capability=list(torch.cuda.get_device_capability()),
                 fa2_native_archs=fa2_native_archs(), cuda_cache_path=os.environ.get("CUDA_CACHE_PATH"),
                 cuda_cache_maxsize=os.environ.get("CUDA_CACHE_MAXSIZE"))
-    lines = [json.dumps({"meta": info})]
-    print(lines[-1], flush=True)
+    def emit(record: dict) -> None:  # line by line: a run cut by its time limit keeps what it measured
+        line = json.dumps(record)
+        print(line, flush=True)
+        if args.out:
+            with open(args.out, "a") as f:
+                f.write(line + "\n")
+
+    emit({"meta": info})
     for head in (int(h) for h in args.head_sizes.split(",")):
         for label, hq, hk, q_lens, k_lens, paged in _cases(head):
             print(f"[fa2] head {head} {label}: first launch (a driver JIT compile can take minutes) ...",
                   file=sys.stderr, flush=True)
             first, second = run_case(head, hq, hk, q_lens, k_lens, paged)
-            lines.append(json.dumps(dict(head=head, case=label, first_s=round(first, 3), second_s=round(second, 5))))
-            print(lines[-1], flush=True)
-    if args.out:
-        with open(args.out, "a") as f:
-            f.write("\n".join(lines) + "\n")
+            emit(dict(head=head, case=label, first_s=round(first, 3), second_s=round(second, 5)))
     return 0
 
 

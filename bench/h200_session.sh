@@ -7,7 +7,7 @@
 #   bash bench/h200_session.sh e2e CONFIGS [CASES] [TIMEOUT]   tqkv bench e2e (Llama-3-8B shape, dummy weights)
 #   bash bench/h200_session.sh diagnose          why an eager tqkv run did not finish (h200-vllm020-notes.md)
 #   bash bench/h200_session.sh fa2               vLLM's FA2 first-launch times (driver JIT from sm_80 PTX on
-#                                                sm_90), twice; its JIT cache goes to $OUT/nvcache.tar.* (carry
+#                                                sm_90), twice; its JIT cache goes to $OUT/nvcache.tgz.* (carry
 #                                                it back as .gpu/nvcache: every stage restores it first)
 # Pass TQKV_COMMIT=<sha> from outside: the device's copy of .git is stale.
 set -uo pipefail
@@ -18,19 +18,24 @@ export PYTHONPATH=/tmp/site
 # compiles its modules from PTX on first use on sm_90. Keep them for every later run on this machine, and
 # start from a cache carried in from an earlier session where there is one.
 export CUDA_CACHE_PATH=/root/nvcache CUDA_CACHE_MAXSIZE=4294967296
-if [ ! -d /root/nvcache ] && ls .gpu/nvcache/nvcache.tar.* >/dev/null 2>&1; then
-    mkdir -p /root/nvcache && cat .gpu/nvcache/nvcache.tar.* | tar -C /root/nvcache -xf - && echo "JIT cache restored: $(du -sh /root/nvcache | cut -f1)" >&2
+if [ ! -d /root/nvcache ] && ls .gpu/nvcache/nvcache.tgz.* >/dev/null 2>&1; then
+    mkdir -p /root/nvcache
+    if cat .gpu/nvcache/nvcache.tgz.* | tar -C /root/nvcache -xzf -; then
+        echo "JIT cache restored: $(du -sh /root/nvcache | cut -f1)" >&2
+    else
+        echo "JIT cache in .gpu/nvcache is damaged: not used" >&2; rm -rf /root/nvcache
+    fi
 fi
 step() { echo "[h200 $(date +%T)] $*" | tee -a "$OUT/steps.log" >&2; }
 
 if ! python3 -c "import vllm" 2>/dev/null; then
-    step "installing vLLM 0.20 from the bundle"
-    bash /root/tqkv-bundle/install_bundle.sh > "$OUT/install.log" 2>&1 || { tail -20 "$OUT/install.log"; exit 1; }
+    step "installing vLLM 0.20 from the bundle"  # (its log stays out of $OUT: files that come back are few)
+    bash /root/tqkv-bundle/install_bundle.sh > /tmp/install.log 2>&1 || { tail -20 /tmp/install.log; exit 1; }
 fi
 # (from another folder: here the repository root would shadow the install, which maps passes/ and lowerings/
 # into tqkv_compile)
 if ! (cd /tmp && python3 -c "import tqkv_compile.passes, tqkv_compile.lowerings") 2>/dev/null; then
-    python3 -m pip install -q --no-deps --no-build-isolation -e . > "$OUT/pip.log" 2>&1 || tail -5 "$OUT/pip.log"
+    python3 -m pip install -q --no-deps --no-build-isolation -e . > /tmp/pip.log 2>&1 || tail -5 /tmp/pip.log
 fi
 python3 - <<'PY' 2>&1 | tee -a "$OUT/steps.log"
 import importlib, torch, triton, vllm
@@ -108,18 +113,26 @@ diagnose)
     run triton-no-prefix-cache 120 "TQKV_TRACE=1 TQKV_STACK_DUMP_S=20" "--no-prefix-caching"
     ;;
 fa2)
+    # limits: one command <= 600 s with the install (~35 s) first; <= 8 files / 64 MiB come back from $OUT
     step "FA2 first launches (1st process: JIT from PTX where the cache lacks it)"
-    timeout ${FA2_TIMEOUT:-480} python3 bench/fa2_first_call.py --out "$OUT/fa2-first-call.jsonl" 2>&1 | tee "$OUT/fa2.log"
+    timeout ${FA2_TIMEOUT:-420} python3 bench/fa2_first_call.py --out "$OUT/fa2-first-call.jsonl" 2>&1 | tee "$OUT/fa2.log"
     step "FA2 first launches again (2nd process: from the driver's JIT cache)"
-    timeout 120 python3 bench/fa2_first_call.py --out "$OUT/fa2-first-call.jsonl" 2>&1 | tee -a "$OUT/fa2.log"
+    timeout 60 python3 bench/fa2_first_call.py --out "$OUT/fa2-first-call.jsonl" 2>&1 | tee -a "$OUT/fa2.log"
     du -sh /root/nvcache 2>/dev/null
-    (cd /root/nvcache && tar -cf - . | split -b 15M -d - "$OUT/nvcache.tar.") 2>/dev/null; ls -la "$OUT" | grep nvcache
+    (cd /root/nvcache 2>/dev/null && tar -czf - . | split -b 15M -d - "$OUT/nvcache.tgz.")
+    parts=$(ls "$OUT"/nvcache.tgz.* 2>/dev/null | wc -l)
+    if [ "$parts" -gt 4 ]; then
+        echo "JIT cache too large to bring back ($parts parts of 15 MB): not sent" >&2; rm -f "$OUT"/nvcache.tgz.*
+    else
+        echo "JIT cache: $parts part(s) in \$OUT; carry them back as .gpu/nvcache/" >&2
+    fi
     ;;
 bisect)
     # the eager tqkv run stops in the first decode step, inside FlashAttention-2 of a boundary layer (vLLM's own
     # path): which of our parts is needed for that
     smollm2
-    python3 -c "import sys; sys.path.insert(0, 'bench'); import agreement; agreement.text_prompts('$model', 4, '/tmp/prompts.json')"
+    python3 -c "import sys; sys.path.insert(0, 'bench'); import agreement; agreement.text_prompts('$model', 4, '/tmp/prompts.json')" \
+        || python3 -c "import json, random; r = random.Random(1); json.dump([[r.randrange(3, 4000) for _ in range(170 + 7 * i)] for i in range(4)], open('/tmp/prompts.json', 'w'))"
     brun() {  # label, "VAR=value ...", "extra engine_run arguments"
         step "bisect: $1"
         env TQKV_STACK_DUMP_S=25 $2 timeout ${BISECT_TIMEOUT:-70} python3 -m tqkv_compile.vllm.engine_run --model "$model" \

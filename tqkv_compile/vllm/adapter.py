@@ -232,8 +232,8 @@ def layer_name_type() -> Any:
 # compatible with FlashAttention >= 3"), for the boundary layers it keeps uncompressed. Its wheel's FA2 library
 # carries code for sm_80 only (52 kernel modules, 145 MB of sm_80 code, 436 MB of sm_80 PTX; no sm_90), so on an
 # H100 / H200 the driver compiles each FA2 module from PTX when it is first launched. On the H200 the first
-# eager decode step of vLLM's own TurboQuant and of tqkv alike sat in FA2 of layer 0 for minutes
-# (bench/results/h200-vllm020-notes.md). Not ours to fix; ours to say.
+# eager decode step of vLLM's own TurboQuant and of tqkv alike waited in FA2 of layer 0 until the runs were cut
+# (bench/results/h200-vllm020-notes.md; the compile is the leading explanation). Not ours to fix; ours to say.
 
 _FATBIN_MAGIC = (0xBA55ED50).to_bytes(4, "little")
 _FATBIN_KINDS = {1: "ptx", 2: "sass"}
@@ -284,8 +284,9 @@ def fa2_native_archs() -> dict[str, list[int]] | None:
 def fa2_jit_warning(archs: dict[str, list[int]] | None, capability: tuple[int, int], cache_maxsize: str | None
                     ) -> str | None:
     """What to tell a user whose GPU (``capability``) has no native code in vLLM's FA2 library (``archs``,
-    from :func:`fa2_native_archs`); None when it has some or there is no such library."""
-    if not archs:
+    from :func:`fa2_native_archs`); None when it has some, or when there is no such library or nothing could be
+    read from it (then nothing is known)."""
+    if not archs or not (archs["sass"] or archs["ptx"]):
         return None
     major, minor = capability
     arch = major * 10 + minor
@@ -293,8 +294,8 @@ def fa2_jit_warning(archs: dict[str, list[int]] | None, capability: tuple[int, i
         return None
     ptx = [a for a in archs["ptx"] if a <= arch]
     how = (f"the CUDA driver compiles each FA2 kernel module from sm_{max(ptx)} PTX the first time it runs (on an "
-           "H200 the first decode step of vLLM 0.20's own TurboQuant engine, and of tqkv's, waited in FA2 for "
-           "minutes)" if ptx else "FA2 cannot run on this GPU")
+           "H200, eager engines of vLLM 0.20's own TurboQuant and of tqkv waited in FA2 in their first decode step "
+           "until the runs were cut, 70-150 s after they started)" if ptx else "FA2 cannot run on this GPU")
     sass = ", ".join(f"sm_{a}" for a in archs["sass"]) or "none"
     advice = (" Keep the compiled modules for later starts: CUDA_CACHE_MAXSIZE=4294967296 (the driver's JIT cache, "
               "CUDA_CACHE_PATH, default ~/.nv/ComputeCache)." if ptx and not cache_maxsize else "")

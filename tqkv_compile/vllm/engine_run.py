@@ -240,7 +240,10 @@ def _layers_on(frame) -> list[str]:
     found = []
     while frame is not None:
         owner = frame.f_locals.get("self")
-        name = getattr(owner, "layer_name", None) or getattr(owner, "prefix", None)
+        try:
+            name = getattr(owner, "layer_name", None) or getattr(owner, "prefix", None)
+        except Exception:  # an object whose attribute access raises: not a layer
+            name = None
         if isinstance(name, str) and name:
             found.append(f"   on the stack: {type(owner).__name__} {name}")
         frame = frame.f_back

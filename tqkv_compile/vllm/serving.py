@@ -113,11 +113,11 @@ def prepare(impl: Any) -> None:
     ``process_weights_after_loading``; a no-op off CUDA or for caches tqkv does not serve."""
     dtype = getattr(impl, "kv_cache_dtype", None)
     head_size = getattr(impl, "head_size", None)
-    if not torch.cuda.is_available() or not adapter.is_turboquant_dtype(dtype) or dtype not in PRESETS:
+    if not torch.cuda.is_available() or not adapter.is_turboquant_dtype(dtype):
         return
-    if head_size not in SUPPORTED_HEAD_DIMS:
+    _warn_about_fa2_once()  # any TurboQuant engine: vLLM's FA2 serves its uncompressed layers
+    if dtype not in PRESETS or head_size not in SUPPORTED_HEAD_DIMS:
         return
-    _warn_about_fa2_once()
     from tqkv_compile import backends
 
     preset = get_preset(stored_preset(dtype), head_size)
@@ -138,8 +138,12 @@ def _warn_about_fa2_once() -> None:
     if _fa2_checked:
         return
     _fa2_checked = True
-    message = adapter.fa2_jit_warning(adapter.fa2_native_archs(), torch.cuda.get_device_capability(),
-                                      os.environ.get("CUDA_CACHE_MAXSIZE"))
+    try:
+        message = adapter.fa2_jit_warning(adapter.fa2_native_archs(), torch.cuda.get_device_capability(),
+                                          os.environ.get("CUDA_CACHE_MAXSIZE"))
+    except Exception as exc:  # a diagnostic: never in the way of the engine
+        logger.debug("tqkv: could not read vLLM's FlashAttention-2 library: %s", exc)
+        return
     if message:
         logger.warning("tqkv: %s", message)
 
