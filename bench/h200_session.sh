@@ -64,6 +64,21 @@ smollm2() {
     fi
 }
 
+# /tmp/prompts.json: 4 text prompts through $model's tokenizer, else random ids of the same lengths (170-191)
+prompt_file() {
+    python3 -c "import sys; sys.path.insert(0, 'bench'); import agreement; agreement.text_prompts('$model', 4, '/tmp/prompts.json')" \
+        || python3 -c "import json, random; r = random.Random(1); json.dump([[r.randrange(3, 4000) for _ in range(170 + 7 * i)] for i in range(4)], open('/tmp/prompts.json', 'w'))"
+}
+
+# one eager engine run of $model (4 prompts, max-model-len 1024) into $OUT/LOG.log, then its exit status and
+# where it stood: eager_run LOG SECONDS "VAR=value ..." "more engine_run arguments"
+eager_run() {
+    step "$1"
+    env $3 timeout "$2" python3 -m tqkv_compile.vllm.engine_run --model "$model" $weights --mode eager \
+        --max-model-len 1024 --prompts 4 $4 > "$OUT/$1.log" 2>&1
+    echo "rc $?" >> "$OUT/$1.log"; grep -E "^rc|Error|on the stack|TQKV_RESULT" "$OUT/$1.log" | cut -c1-300 | tail -4
+}
+
 case "${1:-}" in
 agreement)
     smollm2
@@ -99,18 +114,12 @@ diagnose)
     step "kernels alone vs the reference (heads 64 and 128)"
     timeout 150 python3 -m tqkv_compile.bench_kernels --check --dims 64,128 > "$OUT/check.log" 2>&1; tail -3 "$OUT/check.log"
     smollm2
-    python3 -c "import sys; sys.path.insert(0, 'bench'); import agreement; agreement.text_prompts('$model', 4, '/tmp/prompts.json')" \
-        || python3 -c "import json, random; r = random.Random(1); json.dump([[r.randrange(3, 4000) for _ in range(170 + 7 * i)] for i in range(4)], open('/tmp/prompts.json', 'w'))"
-    run() {  # label, seconds, "VAR=value ...", "extra engine_run arguments"
-        step "diagnose: $1"
-        env $3 timeout "$2" python3 -m tqkv_compile.vllm.engine_run --model "$model" $weights --mode eager \
-            --max-model-len 1024 --prompts 4 --prompt-ids /tmp/prompts.json --new-tokens 16 $4 > "$OUT/diag-$1.log" 2>&1
-        echo "rc $?" >> "$OUT/diag-$1.log"; grep -E "^rc|Error" "$OUT/diag-$1.log" | tail -3
-    }
-    run reference 150 "TQKV_BACKEND=reference TQKV_STACK_DUMP_S=30" ""
-    run triton-traced 150 "CUDA_LAUNCH_BLOCKING=1 TQKV_TRACE=1 TQKV_STACK_DUMP_S=20" ""
+    prompt_file
+    texts="--prompt-ids /tmp/prompts.json --new-tokens 16"
+    eager_run diag-reference 150 "TQKV_BACKEND=reference TQKV_STACK_DUMP_S=30" "$texts"
+    eager_run diag-triton-traced 150 "CUDA_LAUNCH_BLOCKING=1 TQKV_TRACE=1 TQKV_STACK_DUMP_S=20" "$texts"
     (dmesg 2>/dev/null | grep -iE "xid|nvrm" | tail -5) || true
-    run triton-no-prefix-cache 120 "TQKV_TRACE=1 TQKV_STACK_DUMP_S=20" "--no-prefix-caching"
+    eager_run diag-triton-no-prefix-cache 120 "TQKV_TRACE=1 TQKV_STACK_DUMP_S=20" "$texts --no-prefix-caching"
     ;;
 fa2)
     # limits: one command <= 600 s with the install (~35 s) first; <= 8 files / 64 MiB come back from $OUT
@@ -131,14 +140,9 @@ bisect)
     # the eager tqkv run stops in the first decode step, inside FlashAttention-2 of a boundary layer (vLLM's own
     # path): which of our parts is needed for that
     smollm2
-    python3 -c "import sys; sys.path.insert(0, 'bench'); import agreement; agreement.text_prompts('$model', 4, '/tmp/prompts.json')" \
-        || python3 -c "import json, random; r = random.Random(1); json.dump([[r.randrange(3, 4000) for _ in range(170 + 7 * i)] for i in range(4)], open('/tmp/prompts.json', 'w'))"
-    brun() {  # label, "VAR=value ...", "extra engine_run arguments"
-        step "bisect: $1"
-        env TQKV_STACK_DUMP_S=25 $2 timeout ${BISECT_TIMEOUT:-70} python3 -m tqkv_compile.vllm.engine_run --model "$model" \
-            $weights --mode eager --max-model-len 1024 --prompts 4 --prompt-ids /tmp/prompts.json --new-tokens 4 $3 \
-            > "$OUT/bisect-$1.log" 2>&1
-        echo "rc $?" >> "$OUT/bisect-$1.log"; grep -E "^rc|Error|on the stack" "$OUT/bisect-$1.log" | tail -4
+    prompt_file
+    brun() {  # label, "VAR=value ...", "more engine_run arguments"
+        eager_run "bisect-$1" ${BISECT_TIMEOUT:-70} "TQKV_STACK_DUMP_S=25 $2" "--prompt-ids /tmp/prompts.json --new-tokens 4 $3"
     }
     brun vllm-own "" "--no-tqkv"
     brun reference-sync-sched "TQKV_BACKEND=reference" "--no-async-scheduling"
@@ -149,18 +153,15 @@ bisect)
 bisect2)
     # same engine flow, dummy weights in SmolLM2's shape (no wheel to carry): ours at vLLM's working prompt
     # length (300, random ids) and at the text prompts' length (176), vLLM's own at 176
-    model=/tmp/smol-shape; mkdir -p $model
+    model=/tmp/smol-shape; weights=""; mkdir -p $model
     echo '{"architectures":["LlamaForCausalLM"],"model_type":"llama","hidden_size":576,"intermediate_size":1536,"num_hidden_layers":30,"num_attention_heads":9,"num_key_value_heads":3,"head_dim":64,"hidden_act":"silu","max_position_embeddings":8192,"rms_norm_eps":1e-05,"rope_theta":100000.0,"vocab_size":49152,"bos_token_id":1,"eos_token_id":2,"tie_word_embeddings":true,"torch_dtype":"bfloat16"}' > $model/config.json
-    brun() {  # label, "VAR=value ...", "extra engine_run arguments"
-        step "bisect2: $1"
-        env TQKV_STACK_DUMP_S=30 $2 timeout ${BISECT_TIMEOUT:-100} python3 -m tqkv_compile.vllm.engine_run --model "$model" \
-            --mode eager --max-model-len 1024 --prompts 4 --new-tokens 8 $3 > "$OUT/bisect2-$1.log" 2>&1
-        echo "rc $?" >> "$OUT/bisect2-$1.log"; grep -E "^rc|Error|on the stack|TQKV_RESULT" "$OUT/bisect2-$1.log" | cut -c1-300 | tail -4
+    brun() {  # label, "VAR=value ...", "more engine_run arguments"
+        eager_run "bisect2-$1" ${BISECT_TIMEOUT:-100} "TQKV_STACK_DUMP_S=30 $2" "--new-tokens 8 $3"
     }
     brun ours-300 "" "--prompt-len 300"
     brun vllm-own-176 "" "--no-tqkv --prompt-len 176"
     brun ours-176 "" "--prompt-len 176"
     ;;
-*) echo "usage: bash bench/h200_session.sh agreement|kernels|e2e CONFIGS [CASES]|diagnose" >&2; exit 2 ;;
+*) echo "usage: bash bench/h200_session.sh agreement|kernels|e2e CONFIGS [CASES]|diagnose|fa2|bisect|bisect2" >&2; exit 2 ;;
 esac
 step "done"

@@ -26,11 +26,15 @@ def rotated_query(query: torch.Tensor, preset: Preset) -> torch.Tensor:
     return q if preset.key_fp8 else q @ preset.rotation(q.device)
 
 
-def decoded_keys_values(kv_cache, block_row, length, preset: Preset) -> tuple[torch.Tensor, torch.Tensor]:
-    """One sequence's keys in the stored basis (times their norms) and values, fp32 [L, Hk, D]."""
-    slots = gather_slots(kv_cache, block_row, length)
+def decoded_slots(slots: torch.Tensor, preset: Preset) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys in the stored basis (times their norms) and values, fp32 [..., D], from slots [..., slot_bytes]."""
     unit, norm = preset.decode_keys_rotated(slots)
     return unit * norm[..., None], preset.decode_values(slots)
+
+
+def decoded_keys_values(kv_cache, block_row, length, preset: Preset) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sequence's keys in the stored basis (times their norms) and values, fp32 [L, Hk, D]."""
+    return decoded_slots(gather_slots(kv_cache, block_row, length), preset)
 
 
 class ReferenceBackend:
@@ -79,9 +83,7 @@ class ReferenceBackend:
         valid = pos[None, :] < seq_lens.to(kv_cache.device, torch.int64)[:, None]  # [B, L]
         blocks = block_table.to(kv_cache.device, torch.int64)[:, pos // block_size]
         blocks = torch.where(valid, blocks, torch.zeros_like(blocks))  # entries past a sequence may be junk
-        slots = kv_cache[blocks, pos % block_size]  # [B, L, Hk, S]
-        unit, norm = preset.decode_keys_rotated(slots)
-        keys, values = unit * norm[..., None], preset.decode_values(slots)
+        keys, values = decoded_slots(kv_cache[blocks, pos % block_size], preset)  # [B, L, Hk, D]
         rows = torch.tensor(starts[:-1], device=query.device)
         q = rotated_query(query[rows], preset).view(batch, kv_heads, -1, query.shape[-1])
         scores = torch.einsum("bkgd,blkd->bkgl", q, keys) * scale

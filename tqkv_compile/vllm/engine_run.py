@@ -235,8 +235,8 @@ def _dump_stacks_every(period: float) -> None:
 
 
 def _layers_on(frame) -> list[str]:
-    """The attention layers (``layer_name``) and model layer indices on a thread's stack, innermost first: which
-    layer a stuck call belongs to."""
+    """The named modules on a thread's stack (``layer_name`` of attention layers, else vLLM's ``prefix``),
+    innermost first: which layer a stuck call belongs to."""
     found = []
     while frame is not None:
         owner = frame.f_locals.get("self")

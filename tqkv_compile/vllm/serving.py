@@ -6,6 +6,7 @@ unrewritten graph). Counts which layers each path served, and records why a laye
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from collections import Counter
@@ -128,16 +129,10 @@ def prepare(impl: Any) -> None:
         warm(preset, device)
 
 
-_fa2_checked = False
-
-
+@functools.cache
 def _warn_about_fa2_once() -> None:
     """Say once per process when vLLM's FlashAttention-2 (its path for the layers a TurboQuant cache keeps
     uncompressed) has no native code for this GPU (adapter.fa2_jit_warning)."""
-    global _fa2_checked
-    if _fa2_checked:
-        return
-    _fa2_checked = True
     try:
         message = adapter.fa2_jit_warning(adapter.fa2_native_archs(), torch.cuda.get_device_capability(),
                                           os.environ.get("CUDA_CACHE_MAXSIZE"))
