@@ -6,13 +6,17 @@ kernel module from PTX on its first launch. This script measures that: one JSON 
 launch in this process. Run it twice (two processes): the second run's first launches show whether the
 driver's JIT cache (``CUDA_CACHE_PATH``, ``CUDA_CACHE_MAXSIZE``) kept the compiled code.
 
-usage: python bench/fa2_first_call.py [--head-sizes 64,128] [--out FILE]
+usage: python bench/fa2_first_call.py [--head-sizes 64,128] [--jobs N] [--out FILE]
+
+``--jobs N`` runs the cases in N processes at once: the driver compiles one module at a time per process, so on
+a many-core host the first launches of all modules cost about the slowest one rather than their sum.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import subprocess
 import sys
 import time
 
@@ -63,6 +67,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python bench/fa2_first_call.py")
     p.add_argument("--head-sizes", default="64,128")
     p.add_argument("--out", default=None, help="append the JSON lines to this file too")
+    p.add_argument("--jobs", type=int, default=1, help="cases run in this many processes at once")
+    p.add_argument("--only", default=None, help=argparse.SUPPRESS)  # HEAD:CASE, for --jobs' children
     args = p.parse_args(argv)
     import os
 
@@ -78,14 +84,35 @@ def main(argv: list[str] | None = None) -> int:
             with open(args.out, "a") as f:
                 f.write(line + "\n")
 
-    emit({"meta": info})
+    if args.only is None:
+        emit({"meta": info, "jobs": args.jobs})
+    if args.jobs > 1:
+        return _run_in_parallel(args)
     for head in (int(h) for h in args.head_sizes.split(",")):
         for label, hq, hk, q_lens, k_lens, paged in _cases(head):
+            if args.only and args.only != f"{head}:{label}":
+                continue
             print(f"[fa2] head {head} {label}: first launch (a driver JIT compile can take minutes) ...",
                   file=sys.stderr, flush=True)
             first, second = run_case(head, hq, hk, q_lens, k_lens, paged)
-            emit(dict(head=head, case=label, first_s=round(first, 3), second_s=round(second, 5)))
+            emit(dict(head=head, case=label, first_s=round(first, 3), second_s=round(second, 5),
+                      parallel=bool(args.only)))
     return 0
+
+
+def _run_in_parallel(args: argparse.Namespace) -> int:
+    """One child process per case, at most ``args.jobs`` at a time; they print and append their own lines."""
+    child = [sys.executable, __file__, "--head-sizes", args.head_sizes, *(["--out", args.out] if args.out else [])]
+    waiting = [f"{h}:{c[0]}" for h in map(int, args.head_sizes.split(",")) for c in _cases(h)]
+    running: list[subprocess.Popen] = []
+    failed = 0
+    while waiting or running:
+        while waiting and len(running) < args.jobs:
+            running.append(subprocess.Popen([*child, "--only", waiting.pop(0)]))
+        time.sleep(0.2)
+        failed += sum(r.returncode != 0 for r in running if r.poll() is not None)
+        running = [r for r in running if r.returncode is None]
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
