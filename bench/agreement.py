@@ -4,10 +4,16 @@ decoding) against tqkv eager, and tqkv against vLLM's own TurboQuant path and th
     python bench/agreement.py --model /tmp/smollm2 --real-weights --out bench/results/h200-agreement.json
 
 Every run is one vLLM engine in its own process (tqkv_compile.vllm.engine_run) on the same prompts (random
-token ids sharing a prefix, so that prefix caching has something to share), greedy, with top-5 logprobs. For
-each pair: whether the greedy tokens match, the fraction of generated tokens before each sequence's first
-difference, and the largest top-k logprob difference up to it. Runs that fail are recorded with their error;
-the JSON is rewritten after every run, so a run that hangs loses nothing before it.
+token ids sharing a prefix, so that prefix caching has something to share, or text with --text), with top-5
+logprobs. Teacher-forced by default: the first run to finish decodes greedily, later runs are forced onto its
+tokens (tqkv_compile.vllm.forced_tokens), so all runs read the same text at every position. Free greedy runs of two
+engines that differ only in rounding part at the first near-tie (on SmolLM2 with a 4-bit cache: within a few
+tokens, H200 2026-12-03) and say nothing after it. For each forced pair: the fraction of positions where the
+two models' own first choices agree, and the largest and mean difference of the forced token's logprob. Runs
+that cannot be forced (n-gram speculative decoding: vLLM takes no logits processor with it) and --no-forced
+runs are compared free-running: whether the greedy tokens match, the fraction of generated tokens before each
+sequence's first difference, and the largest top-k logprob difference up to it. Runs that fail are recorded
+with their error; the JSON is rewritten after every run, so a run that hangs loses nothing before it.
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from tqkv_compile.demo import compare_logprobs, run_engine
+from tqkv_compile.demo import compare_forced, compare_logprobs, run_engine
 
 # name -> engine_run arguments on top of the common ones (most important first: the order they run in)
 RUNS = {
@@ -88,6 +94,13 @@ def text_prompts(model: str, count: int, path: str) -> str:
     return path
 
 
+def compare(a: dict, b: dict) -> dict:
+    if a["tokens"] == b["tokens"] and (a.get("forced") or b.get("forced")) and "top1" in a and "top1" in b:
+        return compare_forced(a, b)
+    same, diff, agree = compare_logprobs(a, b)
+    return dict(mode="free", tokens_match=same, agree_fraction=round(agree, 4), max_logprob_diff=round(diff, 5))
+
+
 def _say(message: str) -> None:
     print(f"[agreement] {message}", file=sys.stderr, flush=True)
 
@@ -106,6 +119,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--text", action="store_true",
                    help="prompts from English text (the model folder's tokenizer) instead of random token ids")
     p.add_argument("--runs", default=",".join(RUNS), help="comma-separated, of: " + ", ".join(RUNS))
+    p.add_argument("--forced", action=argparse.BooleanOptionalAction, default=True,
+                   help="force the runs after the first finished one onto its greedy tokens (default)")
     p.add_argument("--timeout", type=float, default=180, help="seconds per run")
     p.add_argument("--out", required=True)
     p.add_argument("--log-dir", default=None)
@@ -139,17 +154,24 @@ def main(argv: list[str] | None = None) -> int:
                 device=torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU", torch=torch.__version__)
     results: dict[str, dict] = {}
     summary: dict[str, dict] = {}
+    forced_file = None
     for i, name in enumerate(runs, 1):
         argv_run = list(common)
         extra = RUNS[name]
         if "--kv-cache-dtype" in extra:  # the run's own cache dtype replaces the common one
             at = argv_run.index("--kv-cache-dtype")
             del argv_run[at:at + 2]
+        if forced_file and "--ngram" not in extra:
+            argv_run += ["--force-tokens", forced_file]
         try:
             result = run_engine(f"({i}/{len(runs)}) {name}", args.model, [*argv_run, *extra], log_dir,
                                 timeout=args.timeout)
             results[name] = result
             Path(log_dir, f"{name}.json").write_text(json.dumps(result))  # tokens and logprobs, for later pairs
+            if args.forced and forced_file is None and "--ngram" not in extra:  # the first run that ends
+                forced_file = os.path.join(log_dir, "forced_tokens.json")
+                Path(forced_file).write_text(json.dumps(result["tokens"]))
+                meta["forced_by"] = name
             summary[name] = {k: result[k] for k in ("start_s", "decode_tok_s", "kv_capacity_tokens", "served_compiled",
                                                     "served_impl", "fallbacks")}
             summary[name]["rewritten"] = result["pass"]["rewritten"]
@@ -160,14 +182,15 @@ def main(argv: list[str] | None = None) -> int:
         pairs = []
         for a, b, what in PAIRS:
             if a in results and b in results:
-                same, diff, agree = compare_logprobs(results[a], results[b])
-                pairs.append(dict(a=a, b=b, what=what, tokens_match=same, agree_fraction=round(agree, 4),
-                                  max_logprob_diff=round(diff, 5)))
+                pairs.append(dict(a=a, b=b, what=what, **compare(results[a], results[b])))
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps({"meta": meta, "runs": summary, "pairs": pairs}, indent=1) + "\n")
     for pair in pairs:
-        print(f"{pair['a']:>22s} vs {pair['b']:<14s} tokens {'match ' if pair['tokens_match'] else 'DIFFER'} "
-              f"agree {pair['agree_fraction']:.3f}  max logprob diff {pair['max_logprob_diff']:.4f}  ({pair['what']})")
+        how = (f"forced, first choices agree {pair['agree_fraction']:.3f}, "
+               f"logprob diff mean {pair['mean_logprob_diff']:.4f}"
+               if pair["mode"] == "forced" else
+               f"free, tokens {'match ' if pair['tokens_match'] else 'DIFFER'}, agree {pair['agree_fraction']:.3f}")
+        print(f"{pair['a']:>22s} vs {pair['b']:<14s} {how}, max {pair['max_logprob_diff']:.4f}  ({pair['what']})")
     return 0 if all("error" not in s for s in summary.values()) else 1
 
 

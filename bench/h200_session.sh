@@ -83,8 +83,12 @@ case "${1:-}" in
 agreement)
     smollm2
     step "agreement runs on $model: ${RUNS:-all}"
-    timeout ${AGREEMENT_TIMEOUT:-540} python3 bench/agreement.py --model $model $weights --out "$OUT/h200-agreement.json" \
+    # real weights: English prompts (random ids put a real model on near-ties from the first token)
+    timeout ${AGREEMENT_TIMEOUT:-540} python3 bench/agreement.py --model $model $weights ${weights:+--text} \
+        --out "$OUT/h200-agreement.json" \
         --log-dir "$OUT/agreement-logs" --timeout 240 ${RUNS:+--runs $RUNS} ${AGREEMENT_ARGS:-} 2>&1 | tee "$OUT/agreement.log" | grep -v "s \.\.\.$"
+    # one file for the logs and each run's tokens (at most 8 files come back from a command)
+    tar -czf "$OUT/agreement-logs.tgz" -C "$OUT" agreement-logs && rm -rf "$OUT/agreement-logs"
     # for the e2e step: graph partition failed where full decode graphs worked -> the benchmark uses the latter
     python3 - "$OUT/h200-agreement.json" <<'PY'
 import json, sys

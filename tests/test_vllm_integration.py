@@ -14,7 +14,7 @@ import json
 import pytest
 from expecttest import assert_expected_inline
 
-from tqkv_compile.demo import builtin_model, compare_logprobs
+from tqkv_compile.demo import builtin_model, compare_forced, compare_logprobs
 from tqkv_compile.passes.graph_text import attention_blocks
 
 pytestmark = pytest.mark.vllm
@@ -73,6 +73,33 @@ def test_compiled_matches_eager_tokens_and_logprobs():
     same, diff, agreement = compare_logprobs(compiled, eager)
     assert same and agreement == 1.0
     assert diff < 2e-2
+
+
+def test_forced_decoding_holds_the_given_tokens_and_reports_the_models_own_logprobs():
+    """Teacher-forced runs (bench/agreement.py): the engine emits the tokens it is handed, and its logprobs are
+    the model's own (raw, before the forcing logits processor), so runs compare position by position."""
+    free = engine(LLAMA, "--mode", "eager")
+    vocab = json.load(open(os.path.join(LLAMA, "config.json")))["vocab_size"]
+    keep = 6  # positions 0..keep see the free run's context; later ones a context it would not have chosen
+    forced = [ids[:keep] + [(t + 7) % vocab for t in ids[keep:]] for ids in free["tokens"]]
+    path = f"/tmp/tqkv-test-forced-{os.getpid()}.json"
+    with open(path, "w") as f:
+        json.dump(forced, f)
+    eager = engine(LLAMA, "--mode", "eager", "--force-tokens", path)
+    assert eager["forced"] and eager["tokens"] == forced
+    for seq_free, seq_forced, lp_free, lp_forced in zip(free["top1"], eager["top1"], free["logprobs"],
+                                                         eager["logprobs"]):
+        assert seq_forced[: keep + 1] == seq_free[: keep + 1]
+        for step in range(keep + 1):
+            for token in set(lp_free[step]) & set(lp_forced[step]):
+                assert abs(lp_free[step][token] - lp_forced[step][token]) < 1e-5
+    # the forcing was needed: the model's own choice differs from the forced token somewhere after `keep`
+    assert any(top != tok for seq, ids in zip(eager["top1"], forced) for top, tok in zip(seq[keep:], ids[keep:]))
+    compiled = engine(LLAMA, "--mode", "compiled", "--force-tokens", path)
+    assert compiled["tokens"] == forced
+    agreement = compare_forced(compiled, eager)
+    assert agreement["positions"] == sum(map(len, forced))
+    assert agreement["agree_fraction"] == 1.0 and agreement["max_logprob_diff"] < 2e-2
 
 
 def test_turboquant_through_tqkv_stays_much_closer_to_an_uncompressed_cache_than_vllm_cpus_own_path():

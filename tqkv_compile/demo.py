@@ -95,6 +95,23 @@ def compare_logprobs(a: dict, b: dict) -> tuple[bool, float, float]:
     return same, largest, agree / max(total, 1)
 
 
+def compare_forced(a: dict, b: dict) -> dict:
+    """Two runs on the same tokens: the fraction of positions where their first choices agree, and the largest /
+    mean |difference| of the token's logprob."""
+    agree = total = 0
+    diffs = []
+    for ids, top_a, top_b, la, lb in zip(a["tokens"], a["top1"], b["top1"], a["logprobs"], b["logprobs"]):
+        for step, token in enumerate(ids):
+            total += 1
+            agree += top_a[step] == top_b[step]
+            x, y = la[step].get(str(token)), lb[step].get(str(token))
+            if x is not None and y is not None and math.isfinite(x) and math.isfinite(y):
+                diffs.append(abs(x - y))
+    return dict(mode="forced", positions=total, agree_fraction=round(agree / max(total, 1), 4),
+                max_logprob_diff=round(max(diffs, default=0.0), 5),
+                mean_logprob_diff=round(sum(diffs) / max(len(diffs), 1), 5))
+
+
 def _model_shape(model: str) -> tuple[int, int, int]:
     with open(os.path.join(model, "config.json")) as f:
         cfg = json.load(f)

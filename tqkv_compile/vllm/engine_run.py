@@ -77,6 +77,11 @@ def run(args: argparse.Namespace) -> dict:
         kwargs["enable_prefix_caching"] = args.prefix_caching
     if args.async_scheduling is not None:
         kwargs["async_scheduling"] = args.async_scheduling
+    forced = _forced_tokens(args)
+    if forced is not None:  # teacher-forced decoding (tqkv_compile.vllm.forced_tokens)
+        from tqkv_compile.vllm.forced_tokens import ForcedTokens
+
+        kwargs["logits_processors"] = [ForcedTokens]
     if args.ngram:  # speculative decoding: n-gram proposals from the prompt, verified by the model
         kwargs["speculative_config"] = {"method": "ngram", "num_speculative_tokens": args.ngram,
                                         "prompt_lookup_max": 4, "prompt_lookup_min": 2}
@@ -117,6 +122,14 @@ def run(args: argparse.Namespace) -> dict:
         prompts = [{"prompt_token_ids": p}
                    for p in _prompts(args.prompts, args.prompt_len, vocab, seed=1, shared_prefix=args.shared_prefix)]
     greedy = SamplingParams(temperature=0.0, max_tokens=args.new_tokens, logprobs=args.logprobs, ignore_eos=True)
+    if forced is not None:
+        if len(forced) != len(prompts):
+            raise SystemExit(f"--force-tokens: {len(forced)} token lists for {len(prompts)} prompts")
+        from tqkv_compile.vllm.forced_tokens import FORCED_TOKENS_KEY
+
+        greedy = [SamplingParams(temperature=0.0, max_tokens=len(ids), logprobs=args.logprobs, ignore_eos=True,
+                                 extra_args={FORCED_TOKENS_KEY: ids}) for ids in forced]
+    new_tokens = [len(ids) for ids in forced] if forced is not None else [args.new_tokens] * len(prompts)
     one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
 
     # warm-up with decode steps: what the first decode step compiles or loads stays out of the timing
@@ -127,11 +140,17 @@ def run(args: argparse.Namespace) -> dict:
     outputs = llm.generate(prompts, greedy, use_tqdm=False)
     t2 = time.perf_counter()
     decode_s = max((t2 - t1) - (t1 - t0), 1e-9)
-    tokens, logprobs = [], []
+    tokens, logprobs, top1 = [], [], []
     for out in outputs:
         completion = out.outputs[0]
         tokens.append(list(completion.token_ids))
         logprobs.append([{str(k): v.logprob for k, v in step.items()} for step in completion.logprobs])
+        # the model's own first choice at each position (= the token itself unless decoding was forced)
+        top1.append([next((k for k, v in step.items() if v.rank == 1), None) for step in completion.logprobs])
+    if forced is not None and tokens != forced:
+        bad = next(i for i, (t, f) in enumerate(zip(tokens, forced)) if t != f)
+        raise RuntimeError(f"forced decoding did not hold: prompt {bad} generated {tokens[bad][:12]}... for "
+                           f"{forced[bad][:12]}...")
     from tqkv_compile.passes import attention_rewrite
 
     reports = [r for r in attention_rewrite.reports if r.attention_nodes]
@@ -153,7 +172,7 @@ def run(args: argparse.Namespace) -> dict:
         "tqkv_preset": args.tqkv_preset,
         "dtype": args.dtype,
         "start_s": round(start_s, 2),
-        "decode_tok_s": round(args.prompts * (args.new_tokens - 1) / decode_s, 1),
+        "decode_tok_s": round(sum(n - 1 for n in new_tokens) / decode_s, 1),
         "kv_capacity_tokens": int(cache.num_gpu_blocks or 0) * int(cache.block_size),
         "layers": layers,
         "served_compiled": serving.served_layers("compiled"),
@@ -161,9 +180,23 @@ def run(args: argparse.Namespace) -> dict:
         "fallbacks": dict(serving.fallbacks),
         "pass": {"attention_nodes": report.attention_nodes, "layers_known": report.layers_known, "rewritten": report.rewritten,
                  "fallbacks": report.fallbacks, "error": report.error},
+        "forced": forced is not None,
         "tokens": tokens,
+        "top1": top1,
         "logprobs": logprobs,
     }
+
+
+def _forced_tokens(args: argparse.Namespace) -> list[list[int]] | None:
+    if not args.force_tokens:
+        return None
+    if args.ngram:
+        raise SystemExit("--force-tokens with --ngram: vLLM takes no logits processor with speculative decoding")
+    with open(args.force_tokens) as f:
+        forced = json.load(f)
+    if not isinstance(forced, list) or not all(isinstance(ids, list) and ids for ids in forced):
+        raise SystemExit(f"--force-tokens {args.force_tokens}: expected a JSON list of non-empty token-id lists")
+    return forced
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
@@ -191,6 +224,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--shared-prefix", type=int, default=0, help="tokens every prompt starts with")
     p.add_argument("--prompt-ids", default=None, help="JSON file: a list of prompts as token-id lists (instead of "
                    "random ones)")
+    p.add_argument("--force-tokens", default=None,
+                   help="JSON file: per prompt, the token ids to decode (teacher-forced; replaces --new-tokens); "
+                        "logprobs are the model's own at each forced position")
     p.add_argument("--ngram", type=int, default=0, help="n-gram speculative decoding with this many proposed tokens")
     p.add_argument("--dtype", default=None,
                    help="activation dtype (vLLM's --dtype); default float32 on the CPU, bfloat16 on CUDA (vLLM's "
