@@ -4,7 +4,8 @@
 # Logs and results go to $OUT. Every step has its own time limit and the next step runs whatever happened.
 #   bash bench/h200_session.sh agreement         SmolLM2 (real weights): tqkv vs eager / vLLM's own / bf16
 #   bash bench/h200_session.sh kernels           presets of ours: Triton kernels vs the reference, and timed
-#   bash bench/h200_session.sh e2e CONFIGS [CASES] [TIMEOUT]   tqkv bench e2e (Llama-3-8B shape, dummy weights)
+#   bash bench/h200_session.sh e2e CONFIGS [CASES] [TIMEOUT]   tqkv bench e2e (Llama-3-8B shape, dummy weights;
+#                                                more options in E2E_ARGS, e.g. "--profile $OUT/profile")
 #   bash bench/h200_session.sh diagnose          why an eager tqkv run did not finish (h200-vllm020-notes.md)
 #   bash bench/h200_session.sh fa2               vLLM's FA2 first-launch times (driver JIT from sm_80 PTX on
 #                                                sm_90), twice; its JIT cache goes to $OUT/nvcache.tgz.* (carry
@@ -112,7 +113,7 @@ e2e)
     step "tqkv bench e2e: ${2} (graph partition: ${TQKV_GRAPH_PARTITION:-1})"
     timeout ${4:-570} python3 -m tqkv_compile.bench_e2e --configs "$2" --cases "${3:-64x4096x128,1x32768x128}" \
         --timeout ${E2E_CONFIG_TIMEOUT:-280} \
-        --out "$OUT/h200-e2e-part.json" 2>&1 | tee "$OUT/e2e.log" | grep -v "s \.\.\.$"
+        --out "$OUT/h200-e2e-part.json" ${E2E_ARGS:-} 2>&1 | tee "$OUT/e2e.log" | grep -v "s \.\.\.$"
     ;;
 diagnose)
     step "kernels alone vs the reference (heads 64 and 128)"
