@@ -5,7 +5,8 @@
 #   bash bench/h200_session.sh agreement         SmolLM2 (real weights): tqkv vs eager / vLLM's own / bf16
 #   bash bench/h200_session.sh kernels           presets of ours: Triton kernels vs the reference, and timed
 #   bash bench/h200_session.sh e2e CONFIGS [CASES] [TIMEOUT]   tqkv bench e2e (Llama-3-8B shape, dummy weights;
-#                                                more options in E2E_ARGS, e.g. "--profile $OUT/profile")
+#                                                E2E_PROFILE=1: torch.profiler tables as $OUT/e2e-profiles.tgz;
+#                                                more bench options in E2E_ARGS)
 #   bash bench/h200_session.sh diagnose          why an eager tqkv run did not finish (h200-vllm020-notes.md)
 #   bash bench/h200_session.sh fa2               vLLM's FA2 first-launch times (driver JIT from sm_80 PTX on
 #                                                sm_90), twice; its JIT cache goes to $OUT/nvcache.tgz.* (carry
@@ -113,7 +114,10 @@ e2e)
     step "tqkv bench e2e: ${2} (graph partition: ${TQKV_GRAPH_PARTITION:-1})"
     timeout ${4:-570} python3 -m tqkv_compile.bench_e2e --configs "$2" --cases "${3:-64x4096x128,1x32768x128}" \
         --timeout ${E2E_CONFIG_TIMEOUT:-280} \
-        --out "$OUT/h200-e2e-part.json" ${E2E_ARGS:-} 2>&1 | tee "$OUT/e2e.log" | grep -v "s \.\.\.$"
+        --out "$OUT/h200-e2e-part.json" ${E2E_PROFILE:+--profile /tmp/e2e-profiles} ${E2E_ARGS:-} 2>&1 \
+        | tee "$OUT/e2e.log" | grep -v "s \.\.\.$"
+    # the profiles as one file (at most 8 files come back from a command)
+    [ -d /tmp/e2e-profiles ] && tar -czf "$OUT/e2e-profiles.tgz" -C /tmp e2e-profiles && rm -rf /tmp/e2e-profiles
     ;;
 diagnose)
     step "kernels alone vs the reference (heads 64 and 128)"
