@@ -6,14 +6,15 @@ decoding) against tqkv eager, and tqkv against vLLM's own TurboQuant path and th
 Every run is one vLLM engine in its own process (tqkv_compile.vllm.engine_run) on the same prompts (random
 token ids sharing a prefix, so that prefix caching has something to share, or text with --text), with top-5
 logprobs. Teacher-forced by default: the first run to finish decodes greedily, later runs are forced onto its
-tokens (tqkv_compile.vllm.forced_tokens), so all runs read the same text at every position. Free greedy runs of two
-engines that differ only in rounding part at the first near-tie (on SmolLM2 with a 4-bit cache: within a few
-tokens, H200 2026-12-03) and say nothing after it. For each forced pair: the fraction of positions where the
-two models' own first choices agree, and the largest and mean difference of the forced token's logprob. Runs
-that cannot be forced (n-gram speculative decoding: vLLM takes no logits processor with it) and --no-forced
-runs are compared free-running: whether the greedy tokens match, the fraction of generated tokens before each
-sequence's first difference, and the largest top-k logprob difference up to it. Runs that fail are recorded
-with their error; the JSON is rewritten after every run, so a run that hangs loses nothing before it.
+tokens (tqkv_compile.vllm.forced_tokens), so all runs read the same text at every position. Free greedy runs
+of two engines that differ only in rounding part at the first near-tie (SmolLM2 on random-id prompts, H200
+2026-12-03: after 1-26% of 200 tokens) and say nothing after it. For each forced pair: the fraction of
+positions where the two models' own first choices agree, and the largest and mean difference of the forced
+token's logprob. Runs that cannot be forced (n-gram speculative decoding: vLLM takes no logits processor with
+it) and --no-forced runs are compared free-running: whether the greedy tokens match, the fraction of generated
+tokens before each sequence's first difference, and the largest top-k logprob difference up to it. Every run's
+decode tok/s comes from its free greedy run (engine_run times it before the forced one). Runs that fail are
+recorded with their error; the JSON is rewritten after every run, so a run that hangs loses nothing before it.
 """
 
 from __future__ import annotations
@@ -98,7 +99,7 @@ def compare(a: dict, b: dict) -> dict:
     if a["tokens"] == b["tokens"] and (a.get("forced") or b.get("forced")) and "top1" in a and "top1" in b:
         return compare_forced(a, b)
     same, diff, agree = compare_logprobs(a, b)
-    return dict(mode="free", tokens_match=same, agree_fraction=round(agree, 4), max_logprob_diff=round(diff, 5))
+    return dict(mode="free", tokens_match=same, prefix_agreement=round(agree, 4), topk_logprob_diff_max=round(diff, 5))
 
 
 def _say(message: str) -> None:
@@ -173,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
                 Path(forced_file).write_text(json.dumps(result["tokens"]))
                 meta["forced_by"] = name
             summary[name] = {k: result[k] for k in ("start_s", "decode_tok_s", "kv_capacity_tokens", "served_compiled",
-                                                    "served_impl", "fallbacks")}
+                                                    "served_impl", "fallbacks", "forced")}
             summary[name]["rewritten"] = result["pass"]["rewritten"]
             summary[name]["pass_error"] = result["pass"]["error"]
         except Exception as exc:  # noqa: BLE001  (recorded; the other runs go on)
@@ -186,11 +187,12 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps({"meta": meta, "runs": summary, "pairs": pairs}, indent=1) + "\n")
     for pair in pairs:
-        how = (f"forced, first choices agree {pair['agree_fraction']:.3f}, "
-               f"logprob diff mean {pair['mean_logprob_diff']:.4f}"
-               if pair["mode"] == "forced" else
-               f"free, tokens {'match ' if pair['tokens_match'] else 'DIFFER'}, agree {pair['agree_fraction']:.3f}")
-        print(f"{pair['a']:>22s} vs {pair['b']:<14s} {how}, max {pair['max_logprob_diff']:.4f}  ({pair['what']})")
+        how = (f"forced: first choices agree {pair['first_choice_agreement']:.3f}, forced token's logprob differs "
+               f"{pair['forced_token_logprob_diff_mean']:.4f} on average, {pair['forced_token_logprob_diff_max']:.4f} "
+               "at most" if pair["mode"] == "forced" else
+               f"free: tokens {'match' if pair['tokens_match'] else 'DIFFER'}, {pair['prefix_agreement']:.3f} of them "
+               f"before the first difference, top-k logprobs differ {pair['topk_logprob_diff_max']:.4f} at most")
+        print(f"{pair['a']:>22s} vs {pair['b']:<14s} {how}  ({pair['what']})")
     return 0 if all("error" not in s for s in summary.values()) else 1
 
 

@@ -86,7 +86,8 @@ agreement)
     smollm2
     step "agreement runs on $model: ${RUNS:-all}"
     # real weights: English prompts (random ids put a real model on near-ties from the first token)
-    timeout ${AGREEMENT_TIMEOUT:-540} python3 bench/agreement.py --model $model $weights ${weights:+--text} \
+    # what is left of the device's 600 s per command (install and export included), so the logs are packed
+    timeout ${AGREEMENT_TIMEOUT:-$((570 - SECONDS))} python3 bench/agreement.py --model $model $weights ${weights:+--text} \
         --out "$OUT/h200-agreement.json" \
         --log-dir "$OUT/agreement-logs" --timeout 240 ${RUNS:+--runs $RUNS} ${AGREEMENT_ARGS:-} 2>&1 | tee "$OUT/agreement.log" | grep -v "s \.\.\.$"
     # one file for the logs and each run's tokens (at most 8 files come back from a command)
@@ -114,7 +115,7 @@ e2e)
     step "tqkv bench e2e: ${2} (graph partition: ${TQKV_GRAPH_PARTITION:-1})"
     timeout ${4:-570} python3 -m tqkv_compile.bench_e2e --configs "$2" --cases "${3:-64x4096x128,1x32768x128}" \
         --timeout ${E2E_CONFIG_TIMEOUT:-280} \
-        --out "$OUT/h200-e2e-part.json" ${E2E_PROFILE:+--profile /tmp/e2e-profiles} ${E2E_ARGS:-} 2>&1 \
+        --out "$OUT/h200-e2e-part.json" $([ "${E2E_PROFILE:-0}" = 1 ] && echo --profile /tmp/e2e-profiles) ${E2E_ARGS:-} 2>&1 \
         | tee "$OUT/e2e.log" | grep -v "s \.\.\.$"
     # the profiles as one file (at most 8 files come back from a command)
     [ -d /tmp/e2e-profiles ] && tar -czf "$OUT/e2e-profiles.tgz" -C /tmp e2e-profiles && rm -rf /tmp/e2e-profiles

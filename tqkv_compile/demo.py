@@ -107,9 +107,9 @@ def compare_forced(a: dict, b: dict) -> dict:
             x, y = la[step].get(str(token)), lb[step].get(str(token))
             if x is not None and y is not None and math.isfinite(x) and math.isfinite(y):
                 diffs.append(abs(x - y))
-    return dict(mode="forced", positions=total, agree_fraction=round(agree / max(total, 1), 4),
-                max_logprob_diff=round(max(diffs, default=0.0), 5),
-                mean_logprob_diff=round(sum(diffs) / max(len(diffs), 1), 5))
+    return dict(mode="forced", positions=total, first_choice_agreement=round(agree / max(total, 1), 4),
+                forced_token_logprob_diff_max=round(max(diffs, default=0.0), 5),
+                forced_token_logprob_diff_mean=round(sum(diffs) / max(len(diffs), 1), 5))
 
 
 def _model_shape(model: str) -> tuple[int, int, int]:
