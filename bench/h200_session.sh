@@ -7,6 +7,7 @@
 #   bash bench/h200_session.sh e2e CONFIGS [CASES] [TIMEOUT]   tqkv bench e2e (Llama-3-8B shape, dummy weights;
 #                                                E2E_PROFILE=1: torch.profiler tables as $OUT/e2e-profiles.tgz;
 #                                                more bench options in E2E_ARGS)
+#   bash bench/h200_session.sh cachesize         decode kernels at 64x4096 with an exact and an engine-sized cache
 #   bash bench/h200_session.sh diagnose          why an eager tqkv run did not finish (h200-vllm020-notes.md)
 #   bash bench/h200_session.sh fa2               vLLM's FA2 first-launch times (driver JIT from sm_80 PTX on
 #                                                sm_90), twice; its JIT cache goes to $OUT/nvcache.tgz.* (carry
@@ -110,6 +111,15 @@ kernels)
         --write-tokens 64,8192 --out "$OUT/h200-own-presets.json" > "$OUT/own-presets.log" 2>&1
     tail -25 "$OUT/own-presets.log"
     ;;
+cachesize)
+    # does our decode kernel slow down with an engine-sized cache? 64 x 4096 with exactly the blocks read, then
+    # with the blocks drawn from a cache of 2.56 M tokens (the tqkv engine's at the Llama-3-8B shape)
+    step "decode kernels at 64x4096: exact cache, then an engine-sized one"
+    for tokens in 0 2560000; do
+        timeout 150 python3 -m tqkv_compile.bench_kernels --presets turboquant_4bit_nc --cases 64x4096 \
+            --write-tokens "" --cache-tokens $tokens --out "$OUT/h200-cachesize-$tokens.json" 2>&1 | tail -6
+    done
+    ;;
 e2e)
     [ -f /tmp/tqkv-no-partition ] && export TQKV_GRAPH_PARTITION=0
     step "tqkv bench e2e: ${2} (graph partition: ${TQKV_GRAPH_PARTITION:-1})"
@@ -172,6 +182,6 @@ bisect2)
     brun vllm-own-176 "" "--no-tqkv --prompt-len 176"
     brun ours-176 "" "--prompt-len 176"
     ;;
-*) echo "usage: bash bench/h200_session.sh agreement|kernels|e2e CONFIGS [CASES]|diagnose|fa2|bisect|bisect2" >&2; exit 2 ;;
+*) echo "usage: bash bench/h200_session.sh agreement|kernels|cachesize|e2e CONFIGS [CASES]|diagnose|fa2|bisect|bisect2" >&2; exit 2 ;;
 esac
 step "done"

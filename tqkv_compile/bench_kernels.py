@@ -65,14 +65,17 @@ def _record(records, **fields):
     print(json.dumps(fields), flush=True)
 
 
-def _decode_case(records, B, L, presets, vllm, tune, variants=None):
+def _decode_case(records, B, L, presets, vllm, tune, variants=None, cache_tokens=0):
+    """``cache_tokens``: allocate every cache with room for this many tokens (at least what the case reads) and
+    draw the case's blocks from all of it, as in an engine whose cache fills the GPU (vLLM: millions of tokens
+    per layer); 0: exactly the blocks the case reads."""
     import tqkv_compile
     from tqkv_compile.lowerings.triton_attention import decode_attention
 
     dev = "cuda"
     nb = L // BS
-    num_blocks = B * nb
-    bt = torch.randperm(num_blocks, device=dev, dtype=torch.int32).view(B, nb)
+    num_blocks = max(B * nb, cache_tokens // BS)
+    bt = torch.randperm(num_blocks, device=dev)[: B * nb].to(torch.int32).view(B, nb)
     seq_lens = torch.full((B,), L, dtype=torch.int32, device=dev)
     qsl = torch.arange(B + 1, dtype=torch.int32, device=dev)
     q = torch.randn(B, HQ, D, dtype=torch.bfloat16, device=dev)
@@ -310,6 +313,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-baselines", action="store_true", help="time tqkv only")
     parser.add_argument("--tune", action="store_true", help="time a grid of tqkv decode kernel configurations")
     parser.add_argument("--variants", help="with --tune: a JSON list of decode_attention keyword dicts")
+    parser.add_argument("--cache-tokens", type=int, default=0,
+                        help="decode cases: caches sized for this many tokens, the case's blocks drawn from all of "
+                             "it (an engine's cache; default: exactly the blocks read)")
     parser.add_argument("--check", action="store_true", help="compare the Triton backend with the reference, then exit")
     parser.add_argument("--dims", default="64,128,256", help="head sizes for --check")
     args = parser.parse_args(argv)
@@ -323,8 +329,11 @@ def main(argv: list[str] | None = None) -> int:
     vllm = None if args.no_baselines or args.tune else _vllm()
     records: list[dict] = [_meta(argv)]
     for B, L in cases:
+        first = len(records)
         _decode_case(records, B, L, presets, vllm, args.tune,
-                     json.loads(args.variants) if args.variants else None)
+                     json.loads(args.variants) if args.variants else None, cache_tokens=args.cache_tokens)
+        for record in records[first:] if args.cache_tokens else ():
+            record["cache_tokens"] = max(B * L, args.cache_tokens // BS * BS)
     if not args.tune:
         for T in (int(t) for t in args.write_tokens.split(",") if t):
             _write_case(records, T, presets, vllm)
