@@ -156,32 +156,6 @@ fa2)
         echo "JIT cache: $parts part(s) in \$OUT; carry them back as .gpu/nvcache/" >&2
     fi
     ;;
-bisect)
-    # the eager tqkv run stops in the first decode step, inside FlashAttention-2 of a boundary layer (vLLM's own
-    # path): which of our parts is needed for that
-    smollm2
-    prompt_file
-    brun() {  # label, "VAR=value ...", "more engine_run arguments"
-        eager_run "bisect-$1" ${BISECT_TIMEOUT:-70} "TQKV_STACK_DUMP_S=25 $2" "--prompt-ids /tmp/prompts.json --new-tokens 4 $3"
-    }
-    brun vllm-own "" "--no-tqkv"
-    brun reference-sync-sched "TQKV_BACKEND=reference" "--no-async-scheduling"
-    brun reference-no-checks "TQKV_BACKEND=reference TQKV_CHECK_VALUES=0" ""
-    brun triton-fp8-cache "" "--kv-cache-dtype fp8"
-    brun reference-one-prompt "TQKV_BACKEND=reference" "--prompts 1"
-    ;;
-bisect2)
-    # same engine flow, dummy weights in SmolLM2's shape (no wheel to carry): ours at vLLM's working prompt
-    # length (300, random ids) and at the text prompts' length (176), vLLM's own at 176
-    model=/tmp/smol-shape; weights=""; mkdir -p $model
-    echo '{"architectures":["LlamaForCausalLM"],"model_type":"llama","hidden_size":576,"intermediate_size":1536,"num_hidden_layers":30,"num_attention_heads":9,"num_key_value_heads":3,"head_dim":64,"hidden_act":"silu","max_position_embeddings":8192,"rms_norm_eps":1e-05,"rope_theta":100000.0,"vocab_size":49152,"bos_token_id":1,"eos_token_id":2,"tie_word_embeddings":true,"torch_dtype":"bfloat16"}' > $model/config.json
-    brun() {  # label, "VAR=value ...", "more engine_run arguments"
-        eager_run "bisect2-$1" ${BISECT_TIMEOUT:-100} "TQKV_STACK_DUMP_S=30 $2" "--new-tokens 8 $3"
-    }
-    brun ours-300 "" "--prompt-len 300"
-    brun vllm-own-176 "" "--no-tqkv --prompt-len 176"
-    brun ours-176 "" "--prompt-len 176"
-    ;;
-*) echo "usage: bash bench/h200_session.sh agreement|kernels|cachesize|e2e CONFIGS [CASES]|diagnose|fa2|bisect|bisect2" >&2; exit 2 ;;
+*) echo "usage: bash bench/h200_session.sh agreement|kernels|cachesize|e2e CONFIGS [CASES]|diagnose|fa2" >&2; exit 2 ;;
 esac
 step "done"
