@@ -70,13 +70,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--jobs", type=int, default=1, help="cases run in this many processes at once")
     p.add_argument("--only", default=None, help=argparse.SUPPRESS)  # HEAD:CASE, for --jobs' children
     args = p.parse_args(argv)
-    import os
-
-    from tqkv_compile.vllm.adapter import fa2_native_archs
-
-    info = dict(device=torch.cuda.get_device_name(), capability=list(torch.cuda.get_device_capability()),
-                fa2_native_archs=fa2_native_archs(), cuda_cache_path=os.environ.get("CUDA_CACHE_PATH"),
-                cuda_cache_maxsize=os.environ.get("CUDA_CACHE_MAXSIZE"))
     def emit(record: dict) -> None:  # line by line: a run cut by its time limit keeps what it measured
         line = json.dumps(record)
         print(line, flush=True)
@@ -84,8 +77,15 @@ def main(argv: list[str] | None = None) -> int:
             with open(args.out, "a") as f:
                 f.write(line + "\n")
 
-    if args.only is None:
-        emit({"meta": info, "jobs": args.jobs})
+    if args.only is None:  # the parent, once (--jobs' children only measure)
+        import os
+
+        from tqkv_compile.vllm.adapter import fa2_native_archs
+
+        emit({"meta": dict(device=torch.cuda.get_device_name(), capability=list(torch.cuda.get_device_capability()),
+                           fa2_native_archs=fa2_native_archs(), cuda_cache_path=os.environ.get("CUDA_CACHE_PATH"),
+                           cuda_cache_maxsize=os.environ.get("CUDA_CACHE_MAXSIZE")),
+              "jobs": args.jobs})
     if args.jobs > 1:
         return _run_in_parallel(args)
     for head in (int(h) for h in args.head_sizes.split(",")):

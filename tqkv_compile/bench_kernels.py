@@ -76,6 +76,7 @@ def _decode_case(records, B, L, presets, vllm, tune, variants=None, cache_tokens
     nb = L // BS
     num_blocks = max(B * nb, cache_tokens // BS)
     bt = torch.randperm(num_blocks, device=dev)[: B * nb].to(torch.int32).view(B, nb)
+    first = len(records)
     seq_lens = torch.full((B,), L, dtype=torch.int32, device=dev)
     qsl = torch.arange(B + 1, dtype=torch.int32, device=dev)
     q = torch.randn(B, HQ, D, dtype=torch.bfloat16, device=dev)
@@ -145,6 +146,8 @@ def _decode_case(records, B, L, presets, vllm, tune, variants=None, cache_tokens
             del vcache
         del cache
         torch.cuda.empty_cache()
+    for record in records[first:] if cache_tokens else ():
+        record["cache_tokens"] = num_blocks * BS
 
 
 def _write_case(records, T, presets, vllm):
@@ -329,11 +332,8 @@ def main(argv: list[str] | None = None) -> int:
     vllm = None if args.no_baselines or args.tune else _vllm()
     records: list[dict] = [_meta(argv)]
     for B, L in cases:
-        first = len(records)
         _decode_case(records, B, L, presets, vllm, args.tune,
                      json.loads(args.variants) if args.variants else None, cache_tokens=args.cache_tokens)
-        for record in records[first:] if args.cache_tokens else ():
-            record["cache_tokens"] = max(B * L, args.cache_tokens // BS * BS)
     if not args.tune:
         for T in (int(t) for t in args.write_tokens.split(",") if t):
             _write_case(records, T, presets, vllm)

@@ -231,9 +231,9 @@ def layer_name_type() -> Any:
 # vLLM 0.20 forces FlashAttention-2 whenever the cache dtype is TurboQuant (arg_utils: "TurboQuant is not yet
 # compatible with FlashAttention >= 3"), for the boundary layers it keeps uncompressed. Its wheel's FA2 library
 # carries code for sm_80 only (52 kernel modules, 145 MB of sm_80 code, 436 MB of sm_80 PTX; no sm_90), so on an
-# H100 / H200 the driver compiles each FA2 module from PTX when it is first launched. On the H200 the first
-# eager decode step of vLLM's own TurboQuant and of tqkv alike waited in FA2 of layer 0 until the runs were cut
-# (bench/results/h200-vllm020-notes.md; the compile is the leading explanation). Not ours to fix; ours to say.
+# H100 / H200 the driver compiles each FA2 module from PTX when it is first launched: 16-143 s per call on the
+# H200, 0.01-0.15 s once the driver's JIT cache holds it (bench/results/h200-fa2-first-call.json). Not ours to
+# fix; ours to say.
 
 _FATBIN_MAGIC = (0xBA55ED50).to_bytes(4, "little")
 _FATBIN_KINDS = {1: "ptx", 2: "sass"}
@@ -294,8 +294,8 @@ def fa2_jit_warning(archs: dict[str, list[int]] | None, capability: tuple[int, i
         return None
     ptx = [a for a in archs["ptx"] if a <= arch]
     how = (f"the CUDA driver compiles each FA2 kernel module from sm_{max(ptx)} PTX the first time it runs (on an "
-           "H200, eager engines of vLLM 0.20's own TurboQuant and of tqkv waited in FA2 in their first decode step "
-           "until the runs were cut, 70-150 s after they started)" if ptx else "FA2 cannot run on this GPU")
+           "H200: 16-143 s per module, so the first prefill and decode steps of an engine wait minutes)"
+           if ptx else "FA2 cannot run on this GPU")
     sass = ", ".join(f"sm_{a}" for a in archs["sass"]) or "none"
     advice = (" Keep the compiled modules for later starts: CUDA_CACHE_MAXSIZE=4294967296 (the driver's JIT cache, "
               "CUDA_CACHE_PATH, default ~/.nv/ComputeCache)." if ptx and not cache_maxsize else "")
