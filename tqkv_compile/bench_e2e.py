@@ -12,7 +12,9 @@ tokens each (N >= 3). Weights are vLLM's dummy weights; the default model is the
 Per case, after a warm-up on other prompts (decode steps included), on B fresh prompts P:
 
 - ``prefill_s``: one token on P (the whole prefill of B x P tokens, one sampling step);
-- ``decode_tok_s``: P again, two tokens (t_short) and N tokens (t_long); ``B * (N - 2) / (t_long - t_short)``.
+- ``decode_tok_s``: P again, two tokens (t_short) and N tokens (t_long); ``B * (N - 2) / (t_long - t_short)``,
+  from the median of ``--repeats`` such pairs (default 3; every pair's step time is kept in
+  ``decode_step_ms_runs``: the spread).
   The first run left P in vLLM's prefix cache (on by default), so each of these recomputes only the prompts'
   last block and then runs decode steps of the whole batch: the difference is N - 2 pure decode steps, without
   the prefill's time or noise and without steps that mix prefill and decode. ``decode_step_ms`` is one such
@@ -160,18 +162,19 @@ def worker(args: argparse.Namespace) -> int:
         # fresh prompts: the prefill is timed whole, and leaves them in the prefix cache for the decode runs
         prompts = [{"prompt_token_ids": [rng.randrange(3, vocab) for _ in range(P)]} for _ in range(B)]
         prefill_s, _ = timed(prompts, 1)
-        short_s, _ = timed(prompts, 2)
-        long_s, outputs = timed(prompts, N)
-        if long_s <= short_s:  # nothing to divide by: this case's error, not a meaningless rate
-            error = (f"the {N}-token run ({long_s:.3f} s) was not slower than the 2-token run ({short_s:.3f} s); "
-                     "was something else running on this machine?")
-            print("TQKV_E2E " + json.dumps(dict(config=args.worker, B=B, P=P, N=N, error=error)), flush=True)
+        pairs = []
+        for _ in range(args.repeats):  # short and long alternate: a drift of the machine hits both alike
+            short_s, _ = timed(prompts, 2)
+            long_s, outputs = timed(prompts, N)
+            pairs.append((short_s, long_s))
+        try:
+            rate = decode_rate(pairs, B, N)
+        except ValueError as exc:  # nothing to divide by: this case's error, not a meaningless rate
+            print("TQKV_E2E " + json.dumps(dict(config=args.worker, B=B, P=P, N=N, error=str(exc))), flush=True)
             continue
-        decode_s = long_s - short_s
         generated = sum(len(o.outputs[0].token_ids) for o in outputs)
         cached = [o.num_cached_tokens for o in outputs if getattr(o, "num_cached_tokens", None) is not None]
-        record = dict(config=args.worker, B=B, P=P, N=N, decode_tok_s=round(B * (N - 2) / decode_s, 1),
-                      decode_step_ms=round(decode_s / (N - 2) * 1000, 3), prefill_s=round(prefill_s, 4),
+        record = dict(config=args.worker, B=B, P=P, N=N, **rate, prefill_s=round(prefill_s, 4),
                       prefix_cached_decode=bool(cache.enable_prefix_caching),
                       cached_prompt_tokens=round(sum(cached) / len(cached), 1) if cached else None,
                       start_s=round(start_s, 2), kv_capacity_tokens=capacity, generated_tokens=generated)
@@ -179,6 +182,24 @@ def worker(args: argparse.Namespace) -> int:
         if args.profile:  # after the timed runs: they stay as they are
             _profile(llm, prompts, tokens(min(N, 16)), Path(args.profile), f"{_safe(args.worker)}-{B}x{P}x{N}")
     return 0
+
+
+def decode_rate(pairs: list[tuple[float, float]], B: int, N: int) -> dict:
+    """From (t_short, t_long) pairs (2 and N tokens on the same prefix-cached prompts): decode_step_ms (the
+    median pair's (t_long - t_short) / (N - 2)), decode_tok_s (B per step), and every pair's step time
+    (decode_step_ms_runs) so that the spread is on record. ValueError when a pair's N-token run was not slower
+    than its 2-token run: then there is nothing to divide by."""
+    if not pairs:
+        raise ValueError("no timed runs")
+    bad = [(s, l) for s, l in pairs if l <= s]
+    if bad:
+        s, l = bad[0]
+        raise ValueError(f"the {N}-token run ({l:.3f} s) was not slower than the 2-token run ({s:.3f} s); "
+                         "was something else running on this machine?")
+    steps = sorted((l - s) / (N - 2) for s, l in pairs)
+    median = steps[len(steps) // 2] if len(steps) % 2 else (steps[len(steps) // 2 - 1] + steps[len(steps) // 2]) / 2
+    return dict(decode_tok_s=round(B / median, 1), decode_step_ms=round(median * 1000, 3),
+                decode_step_ms_runs=[round((l - s) / (N - 2) * 1000, 3) for s, l in pairs])
 
 
 def _safe(name: str) -> str:
@@ -220,7 +241,7 @@ def _profile(llm, prompts: list, params, folder: Path, stem: str, rows: int = 40
 
 def _run_config(config: str, args: argparse.Namespace, model: str) -> list[dict]:
     cmd = [sys.executable, "-m", "tqkv_compile.bench_e2e", "--worker", config, "--model", model,
-           "--cases", args.cases, "--dtype", args.dtype]
+           "--cases", args.cases, "--dtype", args.dtype, "--repeats", str(args.repeats)]
     for flag in ("gpu_memory_utilization", "max_num_batched_tokens", "profile"):
         if getattr(args, flag):
             cmd += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
@@ -337,6 +358,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--enforce-eager", action="store_true", help="every configuration without compilation")
     parser.add_argument("--gpu-memory-utilization", type=float, default=None)
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="(2-token, N-token) run pairs per case; the median pair's step time is reported, "
+                             "every pair's in decode_step_ms_runs (default 3)")
     parser.add_argument("--timeout", type=int, default=1800, help="seconds per configuration")
     parser.add_argument("--check-values", action="store_true",
                         help="keep the tqkv ops' value checks (host syncs) on while timing")
@@ -348,6 +372,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     try:
+        if args.repeats < 1:
+            raise ValueError(f"--repeats: at least 1, got {args.repeats}")
         parse_cases(args.cases)
         configs = [c for c in args.configs.split(",") if c]
         for c in configs:
