@@ -26,6 +26,7 @@ import tqkv_compile
 from tqkv_compile.lowerings import triton_attention as ta
 
 PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+CUOBJDUMP = os.path.join(os.path.dirname(PTXAS), "cuobjdump")
 OPS = ("st.shared", "ld.shared", "shfl", "mma", "cp.async", "ld.global", "selp", "ldmatrix", "bar.sync", "cvt", "prmt")
 
 
@@ -40,6 +41,8 @@ def stats(fn, signature: dict, constexprs: dict, num_warps: int, num_stages: int
             f.write(re.sub(r"\.version \d+\.\d+", ".version 8.8", ptx, count=1))
         out = subprocess.run([PTXAS, "-arch=sm_90a", "-v", path, "-o", os.path.join(tmp, "k.cubin")],
                              capture_output=True, text=True).stderr
+        sass = subprocess.run([CUOBJDUMP, "-sass", os.path.join(tmp, "k.cubin")], capture_output=True,
+                              text=True).stdout
     regs = re.search(r"Used (\d+) registers", out)
     spill = re.search(r"(\d+) bytes spill stores", out)
     counts = collections.Counter()
@@ -48,7 +51,26 @@ def stats(fn, signature: dict, constexprs: dict, num_warps: int, num_stages: int
         if m:
             counts.update(op for op in OPS if m.group(1).startswith(op))
     return dict(registers=int(regs.group(1)) if regs else None, spill_bytes=int(spill.group(1)) if spill else None,
-                shared=kernel.metadata.shared, **counts)
+                shared=kernel.metadata.shared, **loop_sass(sass), **counts)
+
+
+def loop_sass(sass: str) -> dict:
+    """The SASS of the longest loop (a backward branch's span: the tile loop): its instruction count without
+    NOPs (``loop_sass``) and its five commonest opcodes (``loop_top``). What one tile costs in issue slots per
+    thread, a static proxy for an issue-bound kernel (divide by the tile's positions for a per-token cost)."""
+    rows = []
+    for line in sass.splitlines():
+        m = re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)(.*);", line)
+        if m:
+            rows.append((int(m.group(1), 16), m.group(2), m.group(3)))
+    best = (0, 0)
+    for address, op, rest in rows:
+        target = re.search(r"0x([0-9a-f]+)", rest) if op.startswith("BRA") else None
+        if target and int(target.group(1), 16) < address and address - int(target.group(1), 16) > best[1] - best[0]:
+            best = (int(target.group(1), 16), address)
+    body = [op for address, op, _ in rows if best[0] <= address <= best[1] and not op.startswith("NOP")]
+    top = collections.Counter(op.split(".")[0] for op in body).most_common(5)
+    return dict(loop_sass=len(body), loop_top=",".join(f"{op}:{n}" for op, n in top))
 
 
 def stream_kernel(preset_name: str, dim: int, block_n: int, warps: int, maxnreg: int | None, prefetch: bool) -> dict:
