@@ -7,7 +7,9 @@
 #   bash bench/h200_session.sh e2e CONFIGS [CASES] [TIMEOUT]   tqkv bench e2e (Llama-3-8B shape, dummy weights;
 #                                                E2E_PROFILE=1: torch.profiler tables as $OUT/e2e-profiles.tgz;
 #                                                more bench options in E2E_ARGS)
-#   bash bench/h200_session.sh cachesize         decode kernels at 64x4096 with an exact and an engine-sized cache
+#   bash bench/h200_session.sh decode [TAG]      decode kernels of the checkout (4bit_nc, k8v4; 64x32768, 1x32768)
+#                                                beside FA3 and vLLM's: $OUT/h200-decode-TAG.json (A/B: run, change
+#                                                the checkout, run again)
 #   bash bench/h200_session.sh diagnose          why an eager tqkv run did not finish (h200-vllm020-notes.md)
 #   bash bench/h200_session.sh fa2               vLLM's FA2 first-launch times (driver JIT from sm_80 PTX on
 #                                                sm_90), twice; its JIT cache goes to $OUT/nvcache.tgz.* (carry
@@ -111,14 +113,13 @@ kernels)
         --write-tokens 64,8192 --out "$OUT/h200-own-presets.json" > "$OUT/own-presets.log" 2>&1
     tail -25 "$OUT/own-presets.log"
     ;;
-cachesize)
-    # does our decode kernel slow down with an engine-sized cache? 64 x 4096 with exactly the blocks read, then
-    # with the blocks drawn from a cache of 2.56 M tokens (the tqkv engine's at the Llama-3-8B shape)
-    step "decode kernels at 64x4096: exact cache, then an engine-sized one"
-    for tokens in 0 2560000; do
-        timeout 150 python3 -m tqkv_compile.bench_kernels --presets turboquant_4bit_nc --cases 64x4096 \
-            --write-tokens "" --cache-tokens $tokens --out "$OUT/h200-cachesize-$tokens.json" 2>&1 | tail -6
-    done
+decode)
+    # the decode kernels of the checkout as it is, with FA3 and vLLM's TurboQuant beside them, tagged: run it,
+    # change the checkout (e.g. git checkout exp/unsigned-index), run it again: consecutive commands on one
+    # machine are the same run
+    step "decode kernels (${2:-head}): 4bit_nc and k8v4 at 64x32768 and 1x32768"
+    timeout 300 python3 -m tqkv_compile.bench_kernels --presets turboquant_4bit_nc,turboquant_k8v4 \
+        --cases 64x32768,1x32768 --write-tokens "" --out "$OUT/h200-decode-${2:-head}.json" 2>&1 | tail -12
     ;;
 e2e)
     [ -f /tmp/tqkv-no-partition ] && export TQKV_GRAPH_PARTITION=0
@@ -156,6 +157,6 @@ fa2)
         echo "JIT cache: $parts part(s) in \$OUT; carry them back as .gpu/nvcache/" >&2
     fi
     ;;
-*) echo "usage: bash bench/h200_session.sh agreement|kernels|cachesize|e2e CONFIGS [CASES]|diagnose|fa2" >&2; exit 2 ;;
+*) echo "usage: bash bench/h200_session.sh agreement|kernels|decode [TAG]|e2e CONFIGS [CASES]|diagnose|fa2" >&2; exit 2 ;;
 esac
 step "done"
