@@ -56,21 +56,26 @@ def stats(fn, signature: dict, constexprs: dict, num_warps: int, num_stages: int
 
 def loop_sass(sass: str) -> dict:
     """The SASS of the longest loop (a backward branch's span: the tile loop): its instruction count without
-    NOPs (``loop_sass``) and its five commonest opcodes (``loop_top``). What one tile costs in issue slots per
+    NOPs (``loop_sass``), its five commonest opcodes (``loop_top``) and the number of backward branches (1
+    for the decode kernels today; with more, the longest span need not be the tile loop). What one tile costs in issue slots per
     thread, a static proxy for an issue-bound kernel (divide by the tile's positions for a per-token cost)."""
     rows = []
     for line in sass.splitlines():
         m = re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)(.*);", line)
         if m:
             rows.append((int(m.group(1), 16), m.group(2), m.group(3)))
-    best = (0, 0)
+    backward = []
     for address, op, rest in rows:
         target = re.search(r"0x([0-9a-f]+)", rest) if op.startswith("BRA") else None
-        if target and int(target.group(1), 16) < address and address - int(target.group(1), 16) > best[1] - best[0]:
-            best = (int(target.group(1), 16), address)
+        if target and int(target.group(1), 16) < address:
+            backward.append((int(target.group(1), 16), address))
+    if not backward:
+        return dict(loop_sass=None, loop_top=None, backward_branches=0)
+    best = max(backward, key=lambda span: span[1] - span[0])
     body = [op for address, op, _ in rows if best[0] <= address <= best[1] and not op.startswith("NOP")]
     top = collections.Counter(op.split(".")[0] for op in body).most_common(5)
-    return dict(loop_sass=len(body), loop_top=",".join(f"{op}:{n}" for op, n in top))
+    # more than one backward branch: the longest span may be an outer loop or a cold path jumping back; say so
+    return dict(loop_sass=len(body), loop_top=",".join(f"{op}:{n}" for op, n in top), backward_branches=len(backward))
 
 
 def stream_kernel(preset_name: str, dim: int, block_n: int, warps: int, maxnreg: int | None, prefetch: bool) -> dict:

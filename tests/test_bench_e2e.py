@@ -41,7 +41,7 @@ def test_a_configuration_that_times_out_keeps_its_finished_cases(tmp_path, monke
     child.write_text(f"import json, time\nprint('TQKV_E2E ' + json.dumps({done!r}), flush=True)\ntime.sleep(60)\n")
     args = argparse.Namespace(cases="1x8x3,2x8x3", dtype="bfloat16", gpu_memory_utilization=None,
                               max_num_batched_tokens=None, enforce_eager=False, check_values=False, timeout=3,
-                              profile="prof")
+                              profile="prof", repeats=2)
     real_run, commands = subprocess.run, []
     monkeypatch.setattr(subprocess, "run",
                         lambda cmd, **kw: commands.append(cmd) or real_run([sys.executable, str(child)], **kw))
@@ -49,6 +49,7 @@ def test_a_configuration_that_times_out_keeps_its_finished_cases(tmp_path, monke
     assert records[0] == done
     assert records[1]["B"] == 2 and "timed out after 3 s" in records[1]["error"]
     assert commands[0][commands[0].index("--profile") + 1] == "prof"  # the worker gets --profile
+    assert commands[0][commands[0].index("--repeats") + 1] == "2"  # and --repeats
 
 
 @pytest.mark.vllm
@@ -82,14 +83,18 @@ def test_bench_runs_each_configuration_in_its_engine_and_writes_records(tmp_path
     assert rows["tqkv:turboquant_4bit_nc"]["kv_capacity_tokens"] > rows["vllm_tq:turboquant_4bit_nc"]["kv_capacity_tokens"]
 
 
-def test_decode_rate_takes_the_median_pair_and_keeps_the_spread():
+def test_decode_rate_takes_the_median_step_and_keeps_the_spread():
     # steps of 10, 30 and 20 ms over N - 2 = 10 steps; batch 4
     rate = bench_e2e.decode_rate([(1.0, 1.1), (1.0, 1.3), (2.0, 2.2)], B=4, N=12)
     assert rate["decode_step_ms"] == pytest.approx(20.0)
     assert rate["decode_tok_s"] == pytest.approx(200.0)
     assert rate["decode_step_ms_runs"] == pytest.approx([10.0, 30.0, 20.0])
     assert bench_e2e.decode_rate([(1.0, 1.1), (1.0, 1.3)], B=1, N=12)["decode_step_ms"] == pytest.approx(20.0)
+    # one odd pair (its 2-token run paid a one-time second) is outvoted, and kept on record
+    odd = bench_e2e.decode_rate([(2.0, 1.5), (1.0, 1.2), (1.0, 1.2)], B=1, N=12)
+    assert odd["decode_step_ms"] == pytest.approx(20.0)
+    assert odd["decode_step_ms_runs"][0] == pytest.approx(-50.0)
     with pytest.raises(ValueError, match="not slower"):
-        bench_e2e.decode_rate([(1.0, 1.1), (1.0, 0.9)], B=1, N=12)
+        bench_e2e.decode_rate([(1.0, 1.1), (1.0, 0.9), (1.0, 0.8)], B=1, N=12)
     with pytest.raises(ValueError):
         bench_e2e.decode_rate([], B=1, N=12)
