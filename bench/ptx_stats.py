@@ -75,7 +75,8 @@ def loop_sass(sass: str) -> dict:
     body = [op for address, op, _ in rows if best[0] <= address <= best[1] and not op.startswith("NOP")]
     top = collections.Counter(op.split(".")[0] for op in body).most_common(5)
     # more than one backward branch: the longest span may be an outer loop or a cold path jumping back; say so
-    return dict(loop_sass=len(body), loop_top=",".join(f"{op}:{n}" for op, n in top), backward_branches=len(backward))
+    return dict(loop_sass=len(body), loop_top=",".join(f"{op}:{n}" for op, n in top),
+                backward_branches=len(backward))
 
 
 def stream_kernel(preset_name: str, dim: int, block_n: int, warps: int, maxnreg: int | None, prefetch: bool) -> dict:
