@@ -1,0 +1,91 @@
+"""The stream kernel's inline PTX runs only on a GPU; these tests run its text here, instruction by
+instruction, on every input word, with an emulation of the few PTX instructions it uses."""
+
+from __future__ import annotations
+
+import inspect
+import re
+
+import numpy as np
+import pytest
+
+triton = pytest.importorskip("triton")
+
+from tqkv_compile.lowerings import triton_attention  # noqa: E402
+
+
+def _prmt(a: np.ndarray, b: np.ndarray, c: np.ndarray) -> np.ndarray:
+    """prmt.b32 (default mode): byte i of d is byte (c >> 4i) & 7 of {b, a}, its sign replicated if bit 3."""
+    pool = np.stack([(a >> (8 * i)) & 0xFF for i in range(4)] + [(b >> (8 * i)) & 0xFF for i in range(4)])
+    d = np.zeros_like(a)
+    for i in range(4):
+        sel = (c >> (4 * i)) & 0xF
+        byte = np.take_along_axis(pool, (sel & 7)[None, :].astype(np.int64), axis=0)[0]
+        byte = np.where(sel & 8, np.where(byte & 0x80, 0xFF, 0), byte).astype(a.dtype)
+        d |= byte << (8 * i)
+    return d
+
+
+def _lop3(a: np.ndarray, b: np.ndarray, c: np.ndarray, lut: int) -> np.ndarray:
+    """lop3.b32: bit k of d is bit (4 a_k + 2 b_k + c_k) of lut (a = 0xF0, b = 0xCC, c = 0xAA)."""
+    d = np.zeros_like(a)
+    for k in range(8):
+        term = np.full_like(a, 0xFFFFFFFF)
+        for bit, x in zip((4, 2, 1), (a, b, c)):
+            term &= x if k & bit else ~x
+        if lut >> k & 1:
+            d |= term
+    return d
+
+
+def _run_asm(fn, words: np.ndarray, tables: list[int] = ()) -> list[np.ndarray]:
+    """Interpret the PTX of ``fn``'s inline asm (and, shl, prmt, lop3, mov into fp16 pairs) on uint32 ``words``
+    ($4) and the table words ``tables`` ($5, $6, ...); its four fp16 outputs ($0-$3)."""
+    text = re.search(r'"""\{(.*?)\}"""', inspect.getsource(getattr(fn, "fn", fn)), re.S).group(1)
+    regs = {"$4": words.astype(np.uint32)}
+    regs.update({f"${5 + i}": np.full_like(words, t & 0xFFFFFFFF, dtype=np.uint32) for i, t in enumerate(tables)})
+    outputs = {}
+
+    def val(tok: str) -> np.ndarray:
+        tok = tok.strip()
+        if tok in regs:
+            return regs[tok]
+        return np.full_like(words, int(tok, 0), dtype=np.uint32)
+
+    for line in text.split(";"):
+        line = line.strip()
+        if not line or line.startswith(".reg"):
+            continue
+        op, args = line.split(None, 1)
+        if op == "mov.b32":
+            low_high, src = re.match(r"\{(.*?)\},\s*(\w+)", args).groups()
+            low, high = (t.strip() for t in low_high.split(","))
+            outputs[low], outputs[high] = val(src) & 0xFFFF, val(src) >> 16
+            continue
+        dst, *src = (t.strip() for t in args.split(","))
+        if op == "and.b32":
+            regs[dst] = val(src[0]) & val(src[1])
+        elif op == "shl.b32":
+            regs[dst] = (val(src[0]) << int(src[1], 0)) & 0xFFFFFFFF
+        elif op == "prmt.b32":
+            regs[dst] = _prmt(val(src[0]), val(src[1]), val(src[2]))
+        elif op == "lop3.b32":
+            regs[dst] = _lop3(val(src[0]), val(src[1]), val(src[2]), int(src[3], 0))
+        else:
+            raise AssertionError(f"no emulation for {op}")
+    return [outputs[f"${i}"].astype(np.uint16).view(np.float16) for i in range(4)]
+
+
+def test_centroid_lookup_by_byte_permutes_gives_the_fp16_table_entries():
+    """_lut4_fp16 (4-bit Lloyd-Max keys): four codes -> their fp16 centroids, for every 16-bit word."""
+    import torch
+
+    from tqkv_compile.codec import get_preset
+
+    preset = get_preset("turboquant_4bit_nc", 128)
+    key_words, _ = triton_attention.lut_tables(preset, torch.device("cpu"))
+    words = np.arange(1 << 16, dtype=np.uint32)
+    got = _run_asm(triton_attention._lut4_fp16, words, key_words.tolist())
+    table = preset.centroids("cpu").to(torch.float16).numpy()
+    for k in range(4):
+        np.testing.assert_array_equal(got[k], table[(words >> (4 * k)) & 0xF])
