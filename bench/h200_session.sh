@@ -8,6 +8,7 @@
 #                                                E2E_PROFILE=1: torch.profiler tables as $OUT/e2e-profiles.tgz;
 #                                                more bench options in E2E_ARGS)
 #   bash bench/h200_session.sh decode [TAG]      decode kernels of the checkout (4bit_nc, k8v4; 64x32768, 1x32768)
+#                                                and kv_write (64, 8192 tokens)
 #                                                beside FA3 and vLLM's: $OUT/h200-decode-TAG.json (A/B: run, change
 #                                                the checkout, run again)
 #   bash bench/h200_session.sh diagnose          why an eager tqkv run did not finish (h200-vllm020-notes.md)
@@ -117,9 +118,9 @@ decode)
     # the decode kernels of the checkout as it is, with FA3 and vLLM's TurboQuant beside them, tagged: run it,
     # change the checkout (e.g. git checkout exp/unsigned-index), run it again: consecutive commands on one
     # machine are the same run
-    step "decode kernels (${2:-head}): 4bit_nc and k8v4 at 64x32768 and 1x32768"
+    step "decode kernels (${2:-head}): 4bit_nc and k8v4 at 64x32768 and 1x32768; kv_write at 64 and 8192 tokens"
     timeout 300 python3 -m tqkv_compile.bench_kernels --presets turboquant_4bit_nc,turboquant_k8v4 \
-        --cases 64x32768,1x32768 --write-tokens "" --out "$OUT/h200-decode-${2:-head}.json" 2>&1 | tail -12
+        --cases 64x32768,1x32768 --write-tokens 64,8192 --out "$OUT/h200-decode-${2:-head}.json" 2>&1 | tail -16
     ;;
 e2e)
     [ -f /tmp/tqkv-no-partition ] && export TQKV_GRAPH_PARTITION=0
