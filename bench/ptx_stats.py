@@ -57,8 +57,9 @@ def stats(fn, signature: dict, constexprs: dict, num_warps: int, num_stages: int
 def loop_sass(sass: str) -> dict:
     """The SASS of the longest loop (a backward branch's span: the tile loop): its instruction count without
     NOPs (``loop_sass``), its five commonest opcodes (``loop_top``) and the number of backward branches (1
-    for the decode kernels today; with more, the longest span need not be the tile loop). What one tile costs in issue slots per
-    thread, a static proxy for an issue-bound kernel (divide by the tile's positions for a per-token cost)."""
+    for the decode kernels today; with more, the longest span need not be the tile loop). What one tile costs
+    in issue slots per thread, a static proxy for an issue-bound kernel (divide by the tile's positions for a
+    per-token cost)."""
     rows = []
     for line in sass.splitlines():
         m = re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)(.*);", line)
@@ -74,7 +75,6 @@ def loop_sass(sass: str) -> dict:
     best = max(backward, key=lambda span: span[1] - span[0])
     body = [op for address, op, _ in rows if best[0] <= address <= best[1] and not op.startswith("NOP")]
     top = collections.Counter(op.split(".")[0] for op in body).most_common(5)
-    # more than one backward branch: the longest span may be an outer loop or a cold path jumping back; say so
     return dict(loop_sass=len(body), loop_top=",".join(f"{op}:{n}" for op, n in top),
                 backward_branches=len(backward))
 

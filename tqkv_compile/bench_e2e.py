@@ -198,8 +198,9 @@ def decode_rate(pairs: list[tuple[float, float]], B: int, N: int) -> dict:
     when the median step is not positive (nothing to divide by)."""
     if not pairs:
         raise ValueError("no timed runs")
-    runs = [round((l - s) / (N - 2) * 1000, 3) for s, l in pairs]
-    median = statistics.median((l - s) / (N - 2) for s, l in pairs)
+    steps = [(l - s) / (N - 2) for s, l in pairs]
+    runs = [round(step * 1000, 3) for step in steps]
+    median = statistics.median(steps)
     if median <= 0:
         raise ValueError(f"the {N}-token runs were not slower than the 2-token runs (step ms per pair: {runs}); "
                          "was something else running on this machine?")
@@ -349,11 +350,11 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(
         prog="tqkv bench e2e", description=__doc__.split("\n")[0],
-        epilog="decode tok/s = B * (N - 2) / (t(N tokens) - t(2 tokens)), both runs on prompts already prefilled "
-               "once (vLLM's prefix cache: each recomputes only the last block), so the difference is N - 2 decode "
-               "steps of the whole batch, without prefill or mixed prefill+decode steps; decode_step_ms is one "
-               "such step. prefill s: one token on fresh prompts. With prefix caching off both runs pay the same "
-               "prefill and the difference still holds.")
+        epilog="decode tok/s = B * (N - 2) / (t(N tokens) - t(2 tokens)), the median over --repeats such pairs, "
+               "both runs on prompts already prefilled once (vLLM's prefix cache: each recomputes only the last "
+               "block), so the difference is N - 2 decode steps of the whole batch, without prefill or mixed "
+               "prefill+decode steps; decode_step_ms is one such step. prefill s: one token on fresh prompts. With "
+               "prefix caching off both runs pay the same prefill and the difference still holds.")
     parser.add_argument("--model", help="model folder (config.json is enough); default: the Llama-3-8B shape")
     parser.add_argument("--configs", default=",".join(DEFAULT_CONFIGS), help="comma-separated configurations")
     parser.add_argument("--cases", default=",".join(f"{b}x{p}x{n}" for b, p, n in DEFAULT_CASES),
