@@ -11,6 +11,8 @@
 #                                                and kv_write (64, 8192 tokens)
 #                                                beside FA3 and vLLM's: $OUT/h200-decode-TAG.json (A/B: run, change
 #                                                the checkout, run again)
+#   bash bench/h200_session.sh variants          the decode bench for each .variants/ tree (bench/make_variants.sh)
+#                                                in one run: $OUT/h200-variants.json, $OUT/variants.log
 #   bash bench/h200_session.sh diagnose          why an eager tqkv run did not finish (h200-vllm020-notes.md)
 #   bash bench/h200_session.sh fa2               vLLM's FA2 first-launch times (driver JIT from sm_80 PTX on
 #                                                sm_90), twice; its JIT cache goes to $OUT/nvcache.tgz.* (carry
@@ -122,6 +124,32 @@ decode)
     timeout 300 python3 -m tqkv_compile.bench_kernels --presets turboquant_4bit_nc,turboquant_k8v4 \
         --cases 64x32768,1x32768 --write-tokens 64,8192 --out "$OUT/h200-decode-${2:-head}.json" 2>&1 | tail -16
     ;;
+variants)
+    # A/B of kernel changes in one run: each .variants/NN-NAME/ (bench/make_variants.sh, carried) is one commit's
+    # package; the first is timed beside FA3 and vLLM's TurboQuant, the rest alone, then the first again (drift)
+    first=$(ls -d .variants/*/ | head -1)
+    for v in $(ls -d .variants/*/) $first; do
+        name=$(basename "$v"); tag=$name; [ -f "$OUT/v-$name.json" ] && tag=$name-again
+        step "decode kernels, variant $tag ($(cat "$v/COMMIT")): ${VARIANT_PRESETS:=turboquant_4bit_nc,turboquant_k8v4}"
+        (cd /tmp && PYTHONPATH=$OLDPWD/$v:/tmp/site timeout 150 python3 -c "import sys, runpy, tqkv_compile.lowerings as l
+print('package:', l.__file__, file=sys.stderr); sys.argv[0] = 'bench_kernels'
+runpy.run_module('tqkv_compile.bench_kernels', run_name='__main__')" --presets "$VARIANT_PRESETS" \
+            --cases ${VARIANT_CASES:-64x32768,1x32768,64x4096} --write-tokens 64,8192 --out "$OUT/v-$tag.json" \
+            $([ "$v" = "$first" ] && [ "$tag" = "$name" ] || echo --no-baselines)) >> "$OUT/variants.log" 2>&1
+        grep -E "package:|^ *(decode|kv_write)|Error" "$OUT/variants.log" | tail -12
+    done
+    python3 - "$OUT" <<'PY'
+import glob, json, os, sys
+out = sys.argv[1]; records = []
+for path in sorted(glob.glob(f"{out}/v-*.json")):
+    tag = os.path.basename(path)[2:-5]
+    for r in json.load(open(path)):
+        records.append({**r, "variant": tag} if "meta" not in r else {"meta": {**r["meta"], "variant": tag}})
+    os.remove(path)
+json.dump(records, open(f"{out}/h200-variants.json", "w"), indent=1)
+print(len(records), "records in h200-variants.json")
+PY
+    ;;
 e2e)
     [ -f /tmp/tqkv-no-partition ] && export TQKV_GRAPH_PARTITION=0
     step "tqkv bench e2e: ${2} (graph partition: ${TQKV_GRAPH_PARTITION:-1})"
@@ -158,6 +186,6 @@ fa2)
         echo "JIT cache: $parts part(s) in \$OUT; carry them back as .gpu/nvcache/" >&2
     fi
     ;;
-*) echo "usage: bash bench/h200_session.sh agreement|kernels|decode [TAG]|e2e CONFIGS [CASES]|diagnose|fa2" >&2; exit 2 ;;
+*) echo "usage: bash bench/h200_session.sh agreement|kernels|decode [TAG]|variants|e2e CONFIGS [CASES]|diagnose|fa2" >&2; exit 2 ;;
 esac
 step "done"
