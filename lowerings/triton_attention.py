@@ -207,8 +207,9 @@ def _tile_base(bt_row, s_bm, start, end, n, kv_head, s_blk, s_pos, s_head, BLOCK
     only load here."""
     pos = start + n
     valid = pos < end
-    block = tl.load(bt_row + (pos // BLOCK_SIZE) * s_bm, mask=valid, other=0).to(tl.int64)
-    return block * s_blk + (pos % BLOCK_SIZE) * s_pos + kv_head * s_head, valid
+    upos = pos.to(tl.uint32)  # >= 0: unsigned division by the block size is a shift, not a signed fix-up
+    block = tl.load(bt_row + (upos // BLOCK_SIZE).to(tl.int32) * s_bm, mask=valid, other=0).to(tl.int64)
+    return block * s_blk + (upos % BLOCK_SIZE).to(tl.int32) * s_pos + kv_head * s_head, valid
 
 
 @triton.jit
@@ -443,7 +444,8 @@ def _load_field(eptr, base, valid, offset: tl.constexpr, nbytes: tl.constexpr, W
     """The nbytes-byte field at base + offset as WORD-byte little-endian words, int32 [N, nbytes / WORD]
     (zero-extended)."""
     j = tl.arange(0, nbytes // WORD)
-    raw = tl.load(eptr + ((base + offset) // WORD)[:, None] + j[None, :], mask=valid[:, None], other=0)
+    word = ((base + offset).to(tl.uint64) // WORD).to(tl.int64)  # >= 0: a shift, not a signed division
+    raw = tl.load(eptr + word[:, None] + j[None, :], mask=valid[:, None], other=0)
     if WORD == 2:
         raw = raw.to(tl.int32) & 0xFFFF
     return raw
@@ -452,7 +454,7 @@ def _load_field(eptr, base, valid, offset: tl.constexpr, nbytes: tl.constexpr, W
 @triton.jit
 def _load_half(hptr, base, valid, offset: tl.constexpr):
     """The fp16 at base + offset (2-byte aligned) -> fp32 [N]."""
-    return tl.load(hptr + (base + offset) // 2, mask=valid, other=0.0).to(tl.float32)
+    return tl.load(hptr + ((base + offset).to(tl.uint64) // 2).to(tl.int64), mask=valid, other=0.0).to(tl.float32)
 
 
 @triton.jit
