@@ -440,21 +440,42 @@ def _decode_words_kernel(
 
 
 @triton.jit
-def _load_field(eptr, base, valid, offset: tl.constexpr, nbytes: tl.constexpr, WORD: tl.constexpr):
-    """The nbytes-byte field at base + offset as WORD-byte little-endian words, int32 [N, nbytes / WORD]
-    (zero-extended)."""
+def _tile_halves(bt_row, s_bm, start, end, n, kv_head, h_blk, h_pos, h_head, BLOCK_SIZE: tl.constexpr,
+                 INDEX32: tl.constexpr):
+    """:func:`_tile_base` in 2-byte units (the stream kernel's cache: every stride even), in int32 arithmetic
+    when the host found the cache view spans fewer than 2^31 of them (``INDEX32``; int64 otherwise)."""
+    pos = start + n
+    valid = pos < end
+    upos = pos.to(tl.uint32)  # >= 0: unsigned division by the block size is a shift, not a signed fix-up
+    block = tl.load(bt_row + (upos // BLOCK_SIZE).to(tl.int32) * s_bm, mask=valid, other=0)
+    if not INDEX32:
+        block = block.to(tl.int64)
+    return block * h_blk + (upos % BLOCK_SIZE).to(tl.int32) * h_pos + kv_head * h_head, valid
+
+
+@triton.jit
+def _load_field_h(eptr, base_h, offset: tl.constexpr, nbytes: tl.constexpr, WORD: tl.constexpr):
+    """The nbytes-byte field at byte offset ``offset`` of the slots at ``base_h`` (2-byte units) as WORD-byte
+    little-endian words, int32 [N, nbytes / WORD] (zero-extended); unmasked."""
     j = tl.arange(0, nbytes // WORD)
-    word = ((base + offset).to(tl.uint64) // WORD).to(tl.int64)  # >= 0: a shift, not a signed division
-    raw = tl.load(eptr + word[:, None] + j[None, :], mask=valid[:, None], other=0)
+    if WORD == 2:
+        word = base_h + offset // 2
+    else:  # 4-byte words: base_h + offset / 2 is even (the host checked the alignment), >= 0
+        word = ((base_h + offset // 2).to(tl.uint32 if base_h.dtype == tl.int32 else tl.uint64) // 2).to(base_h.dtype)
+    # not masked: past the end a position's block id loads as 0 (_tile_halves), so its address is a slot of
+    # block 0, inside the cache; what it reads there is dropped (its score is -inf, its p is 0, and code
+    # lookups are finite, fp8 keys' NaN included: the score is replaced)
+    raw = tl.load(eptr + word[:, None] + j[None, :])
     if WORD == 2:
         raw = raw.to(tl.int32) & 0xFFFF
     return raw
 
 
 @triton.jit
-def _load_half(hptr, base, valid, offset: tl.constexpr):
-    """The fp16 at base + offset (2-byte aligned) -> fp32 [N]."""
-    return tl.load(hptr + ((base + offset).to(tl.uint64) // 2).to(tl.int64), mask=valid, other=0.0).to(tl.float32)
+def _load_half_h(hptr, base_h, valid, offset: tl.constexpr):
+    """The fp16 at byte offset ``offset`` of the slots at ``base_h`` (2-byte units) -> fp32 [N], 0 where not
+    valid."""
+    return tl.load(hptr + base_h + offset // 2, mask=valid, other=0.0).to(tl.float32)
 
 
 @triton.jit
@@ -531,17 +552,18 @@ def _decode_stream_kernel(
     part_out_ptr, part_lse_ptr,
     num_seqs, max_len,
     s_qt, s_qh, s_qd, s_bt, s_bm,
-    s_blk, s_pos, s_head,
+    h_blk, h_pos, h_head,
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, SEARCH_STEPS: tl.constexpr,
     KEY_FP8: tl.constexpr, KEY_CODE_BYTES: tl.constexpr, NORM_CORRECTION: tl.constexpr,
     VALUE_OFFSET: tl.constexpr, VALUE_CODE_BYTES: tl.constexpr,
     DOT_FP32: tl.constexpr, KEY_WORD: tl.constexpr, VALUE_WORD: tl.constexpr, PREFETCH: tl.constexpr,
-    NC_DOT: tl.constexpr, ASM: tl.constexpr,
+    NC_DOT: tl.constexpr, ASM: tl.constexpr, INDEX32: tl.constexpr,
 ):
     """The split kernel's contract (see :func:`_decode_split_kernel`) for fp8 or 4-bit Lloyd-Max keys with
     4-bit uniform values (k8v4, 4bit_nc), a cache whose last stride is 1 and whose fields are WORD-byte
-    aligned: every field is read as WORD-byte words and unpacked into natural coordinate order (no query
+    aligned, its strides given in 2-byte units (h_blk, h_pos, h_head; int32 indexing with INDEX32, when the
+    view spans fewer than 2^31 such units): every field is read as WORD-byte words and unpacked into natural coordinate order (no query
     permutation). With PREFETCH, the next tile's words and the tile after's block ids are loaded before the
     current tile is computed (software pipelining by hand: the loads are in flight during the math)."""
     row = tl.program_id(0)
@@ -571,31 +593,31 @@ def _decode_stream_kernel(
     bt_row = block_table_ptr + seq.to(tl.int64) * s_bt
     n = tl.arange(0, BLOCK_N)
 
-    base, valid = _tile_base(bt_row, s_bm, begin, end, n, kv_head, s_blk, s_pos, s_head, BLOCK_SIZE)
-    kw = _load_field(kptr, base, valid, 0, KEY_CODE_BYTES, KEY_WORD)
-    vw = _load_field(vptr, base, valid, VALUE_OFFSET, VALUE_CODE_BYTES, VALUE_WORD)
-    vscale = _load_half(hptr, base, valid, VALUE_OFFSET + VALUE_CODE_BYTES)
-    vzero = _load_half(hptr, base, valid, VALUE_OFFSET + VALUE_CODE_BYTES + 2)
+    base, valid = _tile_halves(bt_row, s_bm, begin, end, n, kv_head, h_blk, h_pos, h_head, BLOCK_SIZE, INDEX32)
+    kw = _load_field_h(kptr, base, 0, KEY_CODE_BYTES, KEY_WORD)
+    vw = _load_field_h(vptr, base, VALUE_OFFSET, VALUE_CODE_BYTES, VALUE_WORD)
+    vscale = _load_half_h(hptr, base, valid, VALUE_OFFSET + VALUE_CODE_BYTES)
+    vzero = _load_half_h(hptr, base, valid, VALUE_OFFSET + VALUE_CODE_BYTES + 2)
     if KEY_FP8:
         knorm = vscale
     else:
-        knorm = _load_half(hptr, base, valid, KEY_CODE_BYTES)
+        knorm = _load_half_h(hptr, base, valid, KEY_CODE_BYTES)
     if PREFETCH:
-        base_next, valid_next = _tile_base(bt_row, s_bm, begin + BLOCK_N, end, n, kv_head, s_blk, s_pos, s_head,
-                                           BLOCK_SIZE)
+        base_next, valid_next = _tile_halves(bt_row, s_bm, begin + BLOCK_N, end, n, kv_head, h_blk, h_pos, h_head,
+                                           BLOCK_SIZE, INDEX32)
     for start in range(begin, end, BLOCK_N):
         if PREFETCH:
             # issue the next tile's loads and the block ids after it; the math below runs while they fly
-            kw_n = _load_field(kptr, base_next, valid_next, 0, KEY_CODE_BYTES, KEY_WORD)
-            vw_n = _load_field(vptr, base_next, valid_next, VALUE_OFFSET, VALUE_CODE_BYTES, VALUE_WORD)
-            vscale_n = _load_half(hptr, base_next, valid_next, VALUE_OFFSET + VALUE_CODE_BYTES)
-            vzero_n = _load_half(hptr, base_next, valid_next, VALUE_OFFSET + VALUE_CODE_BYTES + 2)
+            kw_n = _load_field_h(kptr, base_next, 0, KEY_CODE_BYTES, KEY_WORD)
+            vw_n = _load_field_h(vptr, base_next, VALUE_OFFSET, VALUE_CODE_BYTES, VALUE_WORD)
+            vscale_n = _load_half_h(hptr, base_next, valid_next, VALUE_OFFSET + VALUE_CODE_BYTES)
+            vzero_n = _load_half_h(hptr, base_next, valid_next, VALUE_OFFSET + VALUE_CODE_BYTES + 2)
             if KEY_FP8:
                 knorm_n = vscale_n
             else:
-                knorm_n = _load_half(hptr, base_next, valid_next, KEY_CODE_BYTES)
-            base_after, valid_after = _tile_base(bt_row, s_bm, start + 2 * BLOCK_N, end, n, kv_head, s_blk, s_pos,
-                                                 s_head, BLOCK_SIZE)
+                knorm_n = _load_half_h(hptr, base_next, valid_next, KEY_CODE_BYTES)
+            base_after, valid_after = _tile_halves(bt_row, s_bm, start + 2 * BLOCK_N, end, n, kv_head, h_blk, h_pos,
+                                                 h_head, BLOCK_SIZE, INDEX32)
         valid = start + n < end
 
         # ---- keys -> scores [BLOCK_H, BLOCK_N]
@@ -637,16 +659,16 @@ def _decode_stream_kernel(
             kw, vw, vscale, vzero, knorm = kw_n, vw_n, vscale_n, vzero_n, knorm_n
             base_next, valid_next = base_after, valid_after
         else:
-            base, valid_t = _tile_base(bt_row, s_bm, start + BLOCK_N, end, n, kv_head, s_blk, s_pos, s_head,
-                                       BLOCK_SIZE)
-            kw = _load_field(kptr, base, valid_t, 0, KEY_CODE_BYTES, KEY_WORD)
-            vw = _load_field(vptr, base, valid_t, VALUE_OFFSET, VALUE_CODE_BYTES, VALUE_WORD)
-            vscale = _load_half(hptr, base, valid_t, VALUE_OFFSET + VALUE_CODE_BYTES)
-            vzero = _load_half(hptr, base, valid_t, VALUE_OFFSET + VALUE_CODE_BYTES + 2)
+            base, valid_t = _tile_halves(bt_row, s_bm, start + BLOCK_N, end, n, kv_head, h_blk, h_pos, h_head,
+                                       BLOCK_SIZE, INDEX32)
+            kw = _load_field_h(kptr, base, 0, KEY_CODE_BYTES, KEY_WORD)
+            vw = _load_field_h(vptr, base, VALUE_OFFSET, VALUE_CODE_BYTES, VALUE_WORD)
+            vscale = _load_half_h(hptr, base, valid_t, VALUE_OFFSET + VALUE_CODE_BYTES)
+            vzero = _load_half_h(hptr, base, valid_t, VALUE_OFFSET + VALUE_CODE_BYTES + 2)
             if KEY_FP8:
                 knorm = vscale
             else:
-                knorm = _load_half(hptr, base, valid_t, KEY_CODE_BYTES)
+                knorm = _load_half_h(hptr, base, valid_t, KEY_CODE_BYTES)
 
     inv = 1.0 / l_i
     out = acc * inv[:, None] + (shift * inv)[:, None]
@@ -714,6 +736,11 @@ def _base_offset(t: torch.Tensor) -> int:
 def _words_ok(kv_cache: torch.Tensor) -> bool:
     """The word kernel reads 32-bit words: it needs byte-contiguous slots and a 4-byte-aligned base."""
     return kv_cache.dtype == torch.uint8 and kv_cache.stride(3) == 1 and _base_offset(kv_cache) % 4 == 0
+
+
+def _halves_span(kv_cache: torch.Tensor) -> int:
+    """How many 2-byte units the kernel can address from the view's start: the last byte any index reaches."""
+    return (sum((size - 1) * stride for size, stride in zip(kv_cache.shape, kv_cache.stride())) + 2) // 2
 
 
 def stream_words(preset: Preset, kv_cache: torch.Tensor, asm: bool) -> tuple[int, int, bool] | None:
@@ -799,12 +826,14 @@ def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: t
                      kernel: str | None = None,
                      prefetch: bool = False, nc_dot: bool | None = None, asm: bool = True,
                      maxnreg: int | None = None, luts: tuple[torch.Tensor, torch.Tensor] | None = None,
-                     launch=None) -> torch.Tensor:
+                     index32: bool | None = None, launch=None) -> torch.Tensor:
     """query [T, Hq, D] -> out [T, Hq, D] (query dtype); see the module docstring and ops.attention.
     ``kernel``: "stream", "words" or "bytes" (default: :func:`default_kernel`); the other keywords are tuning
     knobs (the H200 sweep's best by default). ``luts``: the stream kernel's lookup tables (default:
-    :func:`lut_tables`, built once per preset and device). ``launch``: wraps each kernel before its launch
-    (``torch.library.wrap_triton`` when traced for Inductor, see :mod:`tqkv_compile.lowerings.inductor_ops`)."""
+    :func:`lut_tables`, built once per preset and device). ``index32``: the stream kernel's int32 indexing
+    (default: wherever the cache view spans fewer than 2^31 half-words; False forces int64). ``launch``: wraps
+    each kernel before its launch (``torch.library.wrap_triton`` when traced for Inductor, see
+    :mod:`tqkv_compile.lowerings.inductor_ops`)."""
     if launch is None:
         launch = _plain_launch
     rows, heads, dim = query.shape
@@ -846,12 +875,13 @@ def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: t
         key_lut, value_lut = luts if luts is not None else lut_tables(preset, query.device)
         launch(_decode_stream_kernel)[(rows, kv_heads, splits)](
             q, kv_cache, block_table, seq_lens, query_start_loc, centroids, key_lut, value_lut, part_out, part_lse,
-            num_seqs, max_len, *q.stride(), *block_table.stride(), *kv_cache.stride()[:3],
+            num_seqs, max_len, *q.stride(), *block_table.stride(), *(st // 2 for st in kv_cache.stride()[:3]),
             GROUP=common["GROUP"], BLOCK_H=common["BLOCK_H"], D=dim, BLOCK_SIZE=kv_cache.shape[1], BLOCK_N=block_n,
             NUM_SPLITS=splits, SEARCH_STEPS=common["SEARCH_STEPS"], KEY_FP8=preset.key_fp8,
             KEY_CODE_BYTES=preset.key_code_bytes, NORM_CORRECTION=preset.norm_correction,
             VALUE_OFFSET=preset.key_bytes, VALUE_CODE_BYTES=preset.value_code_bytes, DOT_FP32=interpret,
-            KEY_WORD=words[0], VALUE_WORD=words[1], ASM=words[2], PREFETCH=prefetch, NC_DOT=nc_dot, num_warps=num_warps or 4, num_stages=num_stages or 1,
+            KEY_WORD=words[0], VALUE_WORD=words[1], ASM=words[2], PREFETCH=prefetch, NC_DOT=nc_dot,
+            INDEX32=index32 is not False and _halves_span(kv_cache) < 2**31, num_warps=num_warps or 4, num_stages=num_stages or 1,
             **({} if maxnreg is None else {"maxnreg": maxnreg}),
         )
     elif kernel == "words":

@@ -61,13 +61,14 @@ def _strided_cache(preset, num_blocks: int, fill: int | None = None, pad: int = 
     return view
 
 
-def _filled_cache(preset, lengths: list[int], seed: int, pad: int = 0):
-    """A strided cache holding `lengths` tokens per sequence, written by the reference; its block table."""
+def _filled_cache(preset, lengths: list[int], seed: int, pad: int = 0, fill: int = 0):
+    """A strided cache holding `lengths` tokens per sequence, written by the reference, every other byte
+    ``fill``; its block table (block 0 is never in it: it stays ``fill`` throughout)."""
     gen = torch.Generator().manual_seed(seed)
     width = max(-(-n // BLOCK) for n in lengths) + 1
     num_blocks = len(lengths) * width + 3
-    cache = _strided_cache(preset, num_blocks, fill=0, pad=pad)
-    table = torch.randperm(num_blocks, generator=gen)[: len(lengths) * width].view(len(lengths), width)
+    cache = _strided_cache(preset, num_blocks, fill=fill, pad=pad)
+    table = (torch.randperm(num_blocks - 1, generator=gen) + 1)[: len(lengths) * width].view(len(lengths), width)
     table = table.to(torch.int32)
     for b, n in enumerate(lengths):
         pos = torch.arange(n)
@@ -82,8 +83,8 @@ def _tolerance(dtype: torch.dtype) -> dict:
     return {torch.bfloat16: dict(atol=2e-2, rtol=1e-2), torch.float16: dict(atol=3e-3, rtol=2e-3)}[dtype]
 
 
-def _attention_both(preset, group, dtype, new_tokens, lengths, seed, pad=0, **kernel_args):
-    cache, table, seq_lens = _filled_cache(preset, lengths, seed, pad=pad)
+def _attention_both(preset, group, dtype, new_tokens, lengths, seed, pad=0, fill=0, **kernel_args):
+    cache, table, seq_lens = _filled_cache(preset, lengths, seed, pad=pad, fill=fill)
     starts = torch.tensor([0, *torch.tensor(new_tokens).cumsum(0).tolist()], dtype=torch.int32)
     query = torch.randn(int(starts[-1]), KV_HEADS * group, preset.head_dim,
                         generator=torch.Generator().manual_seed(seed + 1)).to(dtype)
@@ -180,15 +181,19 @@ def test_both_kernels_read_unaligned_slots(preset_name, kernel):
     torch.testing.assert_close(out.float(), expected.float(), **_tolerance(torch.float16))
 
 
-@pytest.mark.parametrize("variant", [dict(prefetch=True), dict(prefetch=False, nc_dot=True)])
+@pytest.mark.parametrize("variant", [dict(prefetch=True), dict(prefetch=False, nc_dot=True),
+                                     dict(prefetch=False, index32=False)])
 @pytest.mark.parametrize("dim", HEAD_DIMS)
 @pytest.mark.parametrize("preset_name", ["turboquant_k8v4", "turboquant_4bit_nc"])
 def test_stream_kernel_matches_reference(preset_name, dim, variant):
-    """The stream kernel (word loads in natural order, next tile prefetched) on decode and mixed rows, with
-    lengths that end mid-tile and mid-split."""
+    """The stream kernel (word loads in natural order, next tile prefetched; int64 indexing as for caches over
+    2^31 half-words) on decode and mixed rows, with lengths that end mid-tile and mid-split. Every byte the
+    sequences do not hold is 0xFF (NaN as fp16 and as fp8): the kernel's unmasked code loads past a
+    sequence's end read such bytes, and must drop them."""
     preset = get_preset(preset_name, dim)
-    out, expected = _attention_both(preset, 4, torch.float16, [1, 3, 1], [37, 50, 16], seed=dim, kernel="stream",
-                                    block_n=16, splits=2, **variant)
+    out, expected = _attention_both(preset, 4, torch.float16, [1, 3, 1], [37, 50, 16], seed=dim, fill=0xFF,
+                                    kernel="stream", block_n=16, splits=2, **variant)
+    assert not out.isnan().any()
     torch.testing.assert_close(out.float(), expected.float(), **_tolerance(torch.float16))
 
 
