@@ -593,7 +593,8 @@ def _decode_stream_kernel(
     bt_row = block_table_ptr + seq.to(tl.int64) * s_bt
     n = tl.arange(0, BLOCK_N)
 
-    base, valid = _tile_halves(bt_row, s_bm, begin, end, n, kv_head, h_blk, h_pos, h_head, BLOCK_SIZE, INDEX32)
+    base, valid = _tile_halves(bt_row, s_bm, begin, end, n, kv_head, h_blk, h_pos, h_head, BLOCK_SIZE,
+                               INDEX32)
     kw = _load_field_h(kptr, base, 0, KEY_CODE_BYTES, KEY_WORD)
     vw = _load_field_h(vptr, base, VALUE_OFFSET, VALUE_CODE_BYTES, VALUE_WORD)
     vscale = _load_half_h(hptr, base, valid, VALUE_OFFSET + VALUE_CODE_BYTES)
