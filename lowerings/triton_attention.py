@@ -563,9 +563,10 @@ def _decode_stream_kernel(
     """The split kernel's contract (see :func:`_decode_split_kernel`) for fp8 or 4-bit Lloyd-Max keys with
     4-bit uniform values (k8v4, 4bit_nc), a cache whose last stride is 1 and whose fields are WORD-byte
     aligned, its strides given in 2-byte units (h_blk, h_pos, h_head; int32 indexing with INDEX32, when the
-    view spans fewer than 2^31 such units): every field is read as WORD-byte words and unpacked into natural coordinate order (no query
-    permutation). With PREFETCH, the next tile's words and the tile after's block ids are loaded before the
-    current tile is computed (software pipelining by hand: the loads are in flight during the math)."""
+    view spans fewer than 2^31 such units): every field is read as WORD-byte words and unpacked into natural
+    coordinate order (no query permutation). With PREFETCH, the next tile's words and the tile after's block
+    ids are loaded before the current tile is computed (software pipelining by hand: the loads are in flight
+    during the math)."""
     row = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -882,7 +883,8 @@ def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: t
             KEY_CODE_BYTES=preset.key_code_bytes, NORM_CORRECTION=preset.norm_correction,
             VALUE_OFFSET=preset.key_bytes, VALUE_CODE_BYTES=preset.value_code_bytes, DOT_FP32=interpret,
             KEY_WORD=words[0], VALUE_WORD=words[1], ASM=words[2], PREFETCH=prefetch, NC_DOT=nc_dot,
-            INDEX32=index32 is not False and _halves_span(kv_cache) < 2**31, num_warps=num_warps or 4, num_stages=num_stages or 1,
+            INDEX32=index32 is not False and _halves_span(kv_cache) < 2**31,
+            num_warps=num_warps or 4, num_stages=num_stages or 1,
             **({} if maxnreg is None else {"maxnreg": maxnreg}),
         )
     elif kernel == "words":
