@@ -529,6 +529,37 @@ def _lut4_fp16(words, lut_ptr):
 
 
 @triton.jit
+def _codes4_fp16_odd16(words):
+    """int32 [N, W] holding four 4-bit uniform codes each (low 16 bits, little-endian) -> fp16 [N, 4 W] in
+    natural order: 1024 + code in even columns, 1024 + 16 * code in odd ones (both exact), by two byte
+    permutes and two lop3 per four codes (PTX; GPU only). A code byte's two nibbles go to the two halves of
+    an fp16 pair as they are, the high one 4 bits up: that is the factor 16, which the caller takes out of
+    the odd columns once per program instead of shifting every code (:func:`_odd16_codes` is the same
+    without asm). Emulated bit-exactly in Python for all 2^16 words."""
+    o0, o1, o2, o3 = tl.inline_asm_elementwise(
+        """{
+        .reg .b32 x, y, p, q;
+        prmt.b32 x, $4, 0, 0x4040;
+        prmt.b32 y, $4, 0, 0x4141;
+        lop3.b32 p, x, 0x00F0000F, 0x64006400, 0xEA;
+        lop3.b32 q, y, 0x00F0000F, 0x64006400, 0xEA;
+        mov.b32 {$0, $1}, p;
+        mov.b32 {$2, $3}, q;
+        }""",
+        "=h,=h,=h,=h,r",
+        [words],
+        dtype=(tl.float16, tl.float16, tl.float16, tl.float16), is_pure=True, pack=1)
+    return _join4(o0, o1, o2, o3)
+
+
+@triton.jit
+def _odd16_codes(codes, D: tl.constexpr):
+    """int32 codes [N, D] in [0, 16) -> fp16 1024 + code (even columns), 1024 + 16 * code (odd columns):
+    what :func:`_codes4_fp16_odd16` returns, without asm."""
+    return _codes_f16(codes << ((tl.arange(0, D) & 1) * 4)[None, :])
+
+
+@triton.jit
 def _fp8x4_fp16(words):
     """int32 [N, W] holding four fp8 e4m3 bytes each -> fp16 [N, 4 W] in natural order by the hardware's
     two-at-a-time conversion (``cvt.rn.f16x2.e4m3x2``; GPU only)."""
@@ -590,7 +621,8 @@ def _decode_stream_kernel(
     m_i = tl.full((BLOCK_H,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_H,), tl.float32)
     acc = tl.zeros((BLOCK_H, D), tl.float32)
-    shift = tl.zeros((BLOCK_H,), tl.float32)  # sum of P * (zero - 1024 * scale): the affine part of P.V
+    zsum = tl.zeros((BLOCK_H,), tl.float32)  # sum of P * zero: the affine part of P.V
+    psum = tl.zeros((BLOCK_H,), tl.float32)  # sum of P * scale as rounded for the dot: takes the 1024 back out
     bt_row = block_table_ptr + seq.to(tl.int64) * s_bt
     n = tl.arange(0, BLOCK_N)
 
@@ -648,13 +680,15 @@ def _decode_stream_kernel(
         scores = tl.where(valid[None, :], scores, float("-inf"))
         p, alpha, m_i, l_i = _softmax_step(scores, m_i, l_i)
 
-        # ---- values: P.V = (P * scale) . (1024 + code) + P . (zero - 1024 * scale)
+        # ---- values: P.V = (P * scale) . code + P . zero, the codes as fp16 1024 + f * code with f = 1 in even
+        # columns and 16 in odd ones (the cheapest exact unpacking); the 1024 and f come out after the loop
         ps = (p * vscale[None, :]).to(DTYPE)
-        shift = shift * alpha + tl.sum(p * vzero[None, :], axis=1) - 1024.0 * tl.sum(ps.to(tl.float32), axis=1)
+        zsum = zsum * alpha + tl.sum(p * vzero[None, :], axis=1)
+        psum = psum * alpha + tl.sum(ps.to(tl.float32), axis=1)
         if ASM:
-            vcodes = _lut4_fp16(vw, value_lut_ptr)  # fp16 1024 + code
+            vcodes = _codes4_fp16_odd16(vw)
         else:
-            vcodes = _codes_f16(_unpack(vw, 4, VALUE_WORD)).to(DTYPE)
+            vcodes = _odd16_codes(_unpack(vw, 4, VALUE_WORD), D).to(DTYPE)
         acc = tl.dot(ps, vcodes, acc * alpha[:, None])
 
         if PREFETCH:
@@ -673,7 +707,8 @@ def _decode_stream_kernel(
                 knorm = _load_half_h(hptr, base, valid_t, KEY_CODE_BYTES)
 
     inv = 1.0 / l_i
-    out = acc * inv[:, None] + (shift * inv)[:, None]
+    f = tl.where((d & 1) == 1, 1.0 / 16.0, 1.0)  # exact: a power of two
+    out = (acc - 1024.0 * psum[:, None]) * (f[None, :] * inv[:, None]) + (zsum * inv)[:, None]
     tl.store(part_out_ptr + part[:, None] * D + d[None, :], out, mask=head_ok[:, None])
     tl.store(part_lse_ptr + part, m_i + tl.log2(l_i), mask=head_ok)
 

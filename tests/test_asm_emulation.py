@@ -76,6 +76,15 @@ def _run_asm(fn, words: np.ndarray, tables: list[int] = ()) -> list[np.ndarray]:
     return [outputs[f"${i}"].astype(np.uint16).view(np.float16) for i in range(4)]
 
 
+def test_uniform_code_unpacking_gives_1024_plus_code_and_16_code_in_odd_columns():
+    words = np.arange(1 << 16, dtype=np.uint32)
+    got = _run_asm(triton_attention._codes4_fp16_odd16, words)
+    for k in range(4):
+        code = (words >> (4 * k)) & 0xF
+        want = 1024 + code * (16 if k % 2 else 1)
+        np.testing.assert_array_equal(got[k].astype(np.float64), want)
+
+
 def test_centroid_lookup_by_byte_permutes_gives_the_fp16_table_entries():
     """_lut4_fp16 (4-bit Lloyd-Max keys): four codes -> their fp16 centroids, for every 16-bit word."""
     import torch
