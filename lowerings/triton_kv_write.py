@@ -131,7 +131,14 @@ def kv_write(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slo
     rows = tokens * heads
     if rows == 0:
         return
-    block_m = 16 if preset.key_fp8 else 32
+    if preset.key_fp8:
+        # no dot on fp8 keys, so any row count per program works: few rows (a decode step's 64 tokens x 8 kv
+        # heads) get programs of 4 rows, enough to spread over the GPU; many rows keep 16
+        from tqkv_compile.lowerings.triton_attention import _sm_count
+
+        block_m = int(min(16, max(4, triton.next_power_of_2(max(rows // (2 * _sm_count(key.device)), 1)))))
+    else:
+        block_m = 32  # the rotation is a tf32 dot: at least 16 rows
     block_r = min(dim, 64)
     pad = preset.slot_bytes - preset.key_bytes - preset.value_bytes
     grid = (triton.cdiv(rows, block_m),)

@@ -151,6 +151,21 @@ def test_mixed_batch_attends_causally_within_new_tokens(preset_name):
     torch.testing.assert_close(out.float(), expected.float(), **_tolerance(torch.float16))
 
 
+@pytest.mark.parametrize("tokens", [1, 5, 37])
+def test_fp8_key_kv_write_with_few_rows_per_program(tokens):
+    """fp8 keys need no dot, so the kernel spreads a few tokens over programs of 4 rows (more on long
+    writes): the bytes still equal the reference's."""
+    preset = get_preset("turboquant_k8v4", 128)
+    gen = torch.Generator().manual_seed(tokens)
+    key = torch.randn(tokens, KV_HEADS, 128, generator=gen).to(torch.bfloat16)
+    value = torch.randn(tokens, KV_HEADS, 128, generator=gen).to(torch.bfloat16)
+    slots = torch.randperm(4 * BLOCK, generator=gen)[:tokens]
+    cache, expected = _strided_cache(preset, 4, fill=0), _strided_cache(preset, 4, fill=0)
+    get_backend("reference").kv_write(key, value, expected, slots, preset)
+    get_backend("triton").kv_write(key, value, cache, slots, preset)
+    assert torch.equal(cache, expected) and bool(cache.any())
+
+
 @pytest.mark.parametrize("order", ["decodes_first", "prefills_first"])
 @pytest.mark.parametrize("preset_name", ["turboquant_4bit_nc", "turboquant_k8v4", "tqkv_k5v3"])
 def test_long_new_token_runs_take_the_dense_path_and_match_reference(preset_name, order, monkeypatch):
