@@ -90,7 +90,7 @@ def stream_kernel(preset_name: str, dim: int, block_n: int, warps: int, maxnreg:
                       **({'INDEX32': index32} if 'INDEX32' in ta._decode_stream_kernel.arg_names else {}))
     pointers = dict(q_ptr="*fp32", cache_ptr="*u8", block_table_ptr="*i32", seq_lens_ptr="*i32", qsl_ptr="*i32",
                     cent_ptr="*fp32", key_lut_ptr="*i32", value_lut_ptr="*i32", part_out_ptr="*fp32",
-                    part_lse_ptr="*fp32")
+                    part_lse_ptr="*fp32")  # (value_lut_ptr: older commits' kernels)
     fn = ta._decode_stream_kernel
     signature = {n: "constexpr" if n in constexprs else pointers.get(n, "i32") for n in fn.arg_names}
     return stats(fn, signature, constexprs, warps, 1, maxnreg)

@@ -34,14 +34,14 @@ from tqkv_compile.codec import get_preset
 
 
 def tables(preset_name: str, head_dim: int, device: torch.device) -> dict[str, torch.Tensor]:
-    """The op inputs that carry a preset's tables on device: rotation, centroids, midpoints, key / value
-    lookup tables (kept by the Triton backend, built once)."""
-    from tqkv_compile.lowerings.triton_attention import lut_tables
+    """The op inputs that carry a preset's tables on device: rotation, centroids, midpoints, the stream
+    kernel's key lookup table (kept by the Triton backend, built once)."""
+    from tqkv_compile.lowerings.triton_attention import key_lut
 
     preset = get_preset(preset_name, head_dim)
     rotation, centroids, midpoints = get_backend("triton").tables(preset, torch.device(device))
-    key_lut, value_lut = lut_tables(preset, torch.device(device))
-    return dict(rotation=rotation, centroids=centroids, midpoints=midpoints, key_lut=key_lut, value_lut=value_lut)
+    return dict(rotation=rotation, centroids=centroids, midpoints=midpoints,
+                key_lut=key_lut(preset, torch.device(device)))
 
 
 @triton_op("tqkv::triton_kv_write", mutates_args=("kv_cache",))
@@ -61,7 +61,7 @@ def triton_kv_write(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tens
 @triton_op("tqkv::triton_attention", mutates_args=())
 def triton_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
                      query_start_loc: torch.Tensor, rotation: torch.Tensor, centroids: torch.Tensor,
-                     key_lut: torch.Tensor, value_lut: torch.Tensor, scale: float, preset: str) -> torch.Tensor:
+                     key_lut: torch.Tensor, scale: float, preset: str) -> torch.Tensor:
     """As ``tqkv::attention``, through the Triton decode kernels on CUDA (no input checks there); elsewhere it
     is ``tqkv::attention`` itself."""
     if query.device.type != "cuda":
@@ -69,5 +69,5 @@ def triton_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: t
     from tqkv_compile.lowerings.triton_attention import decode_attention
 
     return decode_attention(query, kv_cache, block_table, seq_lens, query_start_loc, scale,
-                            get_preset(preset, query.shape[-1]), rotation, centroids, luts=(key_lut, value_lut),
+                            get_preset(preset, query.shape[-1]), rotation, centroids, lut=key_lut,
                             launch=wrap_triton)

@@ -418,8 +418,10 @@ def _decode_words_kernel(
         # ---- values
         vbase = base + VALUE_OFFSET
         saddr = vbase + VALUE_CODE_BYTES
-        slo, shi = _load_words(wptr, saddr, valid, 1)
-        vscale, vzero = _meta_fp16(slo, shi, saddr)
+        # bytewise: the slot's last field; a word load at a 2-byte offset would read 2 bytes past the slot
+        # (past the cache's end at its last slot: a fault where the cache ends on a page boundary)
+        vscale = _load_fp16(cache_ptr, saddr, valid)
+        vzero = _load_fp16(cache_ptr, saddr + 2, valid)
         ps = (p * vscale[None, :]).to(DTYPE)
         shift = shift * alpha + tl.sum(p * vzero[None, :], axis=1) - 1024.0 * tl.sum(ps.to(tl.float32), axis=1)
         if VALUE_BITS == 4:
@@ -579,8 +581,7 @@ def _fp8x4_fp16(words):
 
 @triton.jit
 def _decode_stream_kernel(
-    q_ptr, cache_ptr, block_table_ptr, seq_lens_ptr, qsl_ptr, cent_ptr, key_lut_ptr, value_lut_ptr,
-    part_out_ptr, part_lse_ptr,
+    q_ptr, cache_ptr, block_table_ptr, seq_lens_ptr, qsl_ptr, cent_ptr, key_lut_ptr, part_out_ptr, part_lse_ptr,
     num_seqs, max_len,
     s_qt, s_qh, s_qd, s_bt, s_bm,
     h_blk, h_pos, h_head,
@@ -805,7 +806,7 @@ def stream_words(preset: Preset, kv_cache: torch.Tensor, asm: bool) -> tuple[int
     return key_word, value_word, asm
 
 
-_LUTS: dict[tuple[str, int, str], tuple[torch.Tensor, torch.Tensor]] = {}
+_LUTS: dict[tuple[str, int, str], torch.Tensor] = {}
 _ORDERS: dict[tuple[str, int, str], torch.Tensor] = {}
 
 
@@ -817,16 +818,15 @@ def _lut_words(table: torch.Tensor) -> torch.Tensor:
     return torch.tensor([w - (1 << 32) if w >= 1 << 31 else w for w in words], dtype=torch.int32)
 
 
-def lut_tables(preset: Preset, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(key table, value table) for :func:`_lut4_fp16` on ``device``, built once (from the CPU tables, so no
-    device-to-host copy): the 16 key centroids in fp16 (a placeholder for fp8 keys), fp16 1024 + c for 4-bit
-    value codes. Built before CUDA-graph capture by ``TritonBackend.warm``."""
+def key_lut(preset: Preset, device: torch.device) -> torch.Tensor:
+    """The stream kernel's key table for :func:`_lut4_fp16` on ``device``, built once (from the CPU tables, so
+    no device-to-host copy): the 16 key centroids in fp16 (a placeholder for fp8 keys). Built before CUDA-graph
+    capture by ``TritonBackend.warm``. (Uniform value codes need no table: :func:`_codes4_fp16_odd16`.)"""
     key = (preset.name, preset.head_dim, str(device))
     if key not in _LUTS:
         four_bit_keys = not preset.key_fp8 and preset.key_bits == 4
         cents = preset.centroids("cpu").float() if four_bit_keys else torch.zeros(16, dtype=torch.float32)
-        _LUTS[key] = (_lut_words(cents).to(device),
-                      _lut_words(1024.0 + torch.arange(16, dtype=torch.float32)).to(device))
+        _LUTS[key] = _lut_words(cents).to(device)
     return _LUTS[key]
 
 
@@ -852,6 +852,15 @@ def default_kernel(preset: Preset, programs: int, kv_cache: torch.Tensor, device
     return "bytes"
 
 
+def require_vllm_layout(preset: Preset) -> None:
+    """These kernels (and triton_kv_write's, triton_kv_dot's) read vLLM's four slot layouts only: a preset of
+    ours given to them would be read as garbage (or past the cache's end), so it is refused;
+    :mod:`tqkv_compile.lowerings.triton_general` serves those."""
+    if preset.spec.vllm_name is None:
+        raise ValueError(f"{preset.name}: not one of vLLM's slot layouts; presets of ours run on triton_general's "
+                         "kernels (the triton backend picks them)")
+
+
 def _plain_launch(kernel):
     return kernel
 
@@ -862,15 +871,16 @@ def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: t
                      block_n: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
                      kernel: str | None = None,
                      prefetch: bool = False, nc_dot: bool | None = None, asm: bool = True,
-                     maxnreg: int | None = None, luts: tuple[torch.Tensor, torch.Tensor] | None = None,
+                     maxnreg: int | None = None, lut: torch.Tensor | None = None,
                      index32: bool | None = None, launch=None) -> torch.Tensor:
     """query [T, Hq, D] -> out [T, Hq, D] (query dtype); see the module docstring and ops.attention.
     ``kernel``: "stream", "words" or "bytes" (default: :func:`default_kernel`); the other keywords are tuning
-    knobs (the H200 sweep's best by default). ``luts``: the stream kernel's lookup tables (default:
-    :func:`lut_tables`, built once per preset and device). ``index32``: the stream kernel's int32 indexing
+    knobs (the H200 sweep's best by default). ``lut``: the stream kernel's key lookup table (default:
+    :func:`key_lut`, built once per preset and device). ``index32``: the stream kernel's int32 indexing
     (default: wherever the cache view spans fewer than 2^31 half-words; False forces int64). ``launch``: wraps
     each kernel before its launch (``torch.library.wrap_triton`` when traced for Inductor, see
     :mod:`tqkv_compile.lowerings.inductor_ops`)."""
+    require_vllm_layout(preset)
     if launch is None:
         launch = _plain_launch
     rows, heads, dim = query.shape
@@ -909,9 +919,9 @@ def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: t
             raise ValueError(f"the stream kernel cannot read {preset.name} from this cache view")
         q = query.float() if preset.key_fp8 else torch.matmul(query.float(), rotation)
         q = q * (scale * LOG2E)
-        key_lut, value_lut = luts if luts is not None else lut_tables(preset, query.device)
+        lut = lut if lut is not None else key_lut(preset, query.device)
         launch(_decode_stream_kernel)[(rows, kv_heads, splits)](
-            q, kv_cache, block_table, seq_lens, query_start_loc, centroids, key_lut, value_lut, part_out, part_lse,
+            q, kv_cache, block_table, seq_lens, query_start_loc, centroids, lut, part_out, part_lse,
             num_seqs, max_len, *q.stride(), *block_table.stride(), *(st // 2 for st in kv_cache.stride()[:3]),
             GROUP=common["GROUP"], BLOCK_H=common["BLOCK_H"], D=dim, BLOCK_SIZE=kv_cache.shape[1], BLOCK_N=block_n,
             NUM_SPLITS=splits, SEARCH_STEPS=common["SEARCH_STEPS"], KEY_FP8=preset.key_fp8,

@@ -191,7 +191,8 @@ def _scores(q, q_raw_ptr, q_heads, head_ok, cache_ptr, cent_ptr, rot_ptr, base, 
     norm = _load_fp16(cache_ptr, base + KEY_CODE_BYTES * s_byte, valid)
     scores = tl.dot(q, tl.trans(unit.to(DTYPE)), input_precision=PRECISION) * norm[None, :]
     if OUTLIERS:
-        index = tl.load(cache_ptr + base + (KEY_CODE_BYTES + 2) * s_byte, mask=valid, other=0).to(tl.int32)
+        # (& (D - 1): a slot no kv_write filled, e.g. a garbage byte, still indexes inside the tables)
+        index = tl.load(cache_ptr + base + (KEY_CODE_BYTES + 2) * s_byte, mask=valid, other=0).to(tl.int32) & (D - 1)
         raw = tl.load(cache_ptr + base + (KEY_CODE_BYTES + 3) * s_byte, mask=valid, other=0)
         stored = raw.to(tl.float8e4nv, bitcast=True).to(tl.float32)
         # the rest's reconstruction at that channel, norm * <unit, H[:, i]>, is replaced by the stored value

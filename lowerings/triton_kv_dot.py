@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from tqkv_compile.codec import Preset
-from tqkv_compile.lowerings.triton_attention import _key_scores, _load_query
+from tqkv_compile.lowerings.triton_attention import _key_scores, _load_query, require_vllm_layout
 
 
 @triton.jit
@@ -57,6 +57,7 @@ def _kv_dot_kernel(
 def kv_dot(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
            scale: float, preset: Preset, rotation: torch.Tensor, centroids: torch.Tensor) -> torch.Tensor:
     """query [B, Hq, D] -> f32 [B, Hq, M * BS] logits; -inf at or past seq_lens[b]."""
+    require_vllm_layout(preset)
     batch, heads, dim = query.shape
     kv_heads = kv_cache.shape[2]
     width = block_table.shape[1] * kv_cache.shape[1]

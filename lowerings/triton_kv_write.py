@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from tqkv_compile.codec import FP8_MAX, Preset
+from tqkv_compile.lowerings.triton_attention import require_vllm_layout
 
 
 @triton.jit
@@ -127,6 +128,7 @@ def kv_write(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slo
     """key, value [T, Hk, D]; kv_cache u8 [NB, BS, Hk, S] (any strides); slot_mapping int [T].
     rotation: fp32 [D, D] contiguous; midpoints: fp32 [2^key_bits - 1] (unused for fp8 keys).
     launch: wraps the kernel before its launch (``torch.library.wrap_triton`` when traced for Inductor)."""
+    require_vllm_layout(preset)
     tokens, heads, dim = key.shape
     rows = tokens * heads
     if rows == 0:

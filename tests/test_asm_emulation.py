@@ -92,7 +92,7 @@ def test_centroid_lookup_by_byte_permutes_gives_the_fp16_table_entries():
     from tqkv_compile.codec import get_preset
 
     preset = get_preset("turboquant_4bit_nc", 128)
-    key_words, _ = triton_attention.lut_tables(preset, torch.device("cpu"))
+    key_words = triton_attention.key_lut(preset, torch.device("cpu"))
     words = np.arange(1 << 16, dtype=np.uint32)
     got = _run_asm(triton_attention._lut4_fp16, words, key_words.tolist())
     table = preset.centroids("cpu").to(torch.float16).numpy()

@@ -327,8 +327,8 @@ def test_warm_builds_every_table_before_the_first_call():
         else:
             assert (name, 128, "cpu") in backend._tables
             assert (name, 128, "cpu") in triton_attention._LUTS and (name, 128, "cpu") in triton_attention._ORDERS
-    key_lut, value_lut = triton_attention._LUTS[("turboquant_4bit_nc", 128, "cpu")]
-    assert key_lut.dtype == torch.int32 and key_lut.shape == (8,) and value_lut.shape == (8,)
+    key_lut = triton_attention._LUTS[("turboquant_4bit_nc", 128, "cpu")]
+    assert key_lut.dtype == torch.int32 and key_lut.shape == (8,)
 
 
 @pytest.mark.parametrize("preset_name", [*PRESETS, *own_preset_names()])
@@ -349,9 +349,9 @@ def test_tables_stay_fp32_when_vllm_loads_under_a_bf16_default_dtype(preset_name
     torch.set_default_dtype(torch.bfloat16)
     try:
         backend.warm(preset, torch.device("cpu"))
-        tables = [*backend.tables(preset, torch.device("cpu")), *backend._general_tables(preset, torch.device("cpu"))]
+        tables = [*backend.tables(preset, torch.device("cpu")), *backend.general_tables(preset, torch.device("cpu"))]
         if preset.spec.vllm_name is not None:
-            tables += [*triton_attention.lut_tables(preset, torch.device("cpu"))]
+            tables.append(triton_attention.key_lut(preset, torch.device("cpu")))
         floats = [t for t in tables if isinstance(t, torch.Tensor) and t.is_floating_point()]
         assert floats and all(t.dtype == torch.float32 for t in floats), [t.dtype for t in floats]
         gen = torch.Generator().manual_seed(3)
@@ -393,7 +393,7 @@ def test_a_sequence_length_past_the_block_table_reads_only_the_table(kernel):
     def attend(lengths):
         seq_lens = torch.tensor(lengths, dtype=torch.int32)
         if kernel == "general":
-            rotation, centroids, _, offsets = backend._general_tables(preset, query.device)
+            rotation, centroids, _, offsets = backend.general_tables(preset, query.device)
             return triton_general.decode_attention(query, cache, table, seq_lens, starts, 0.125, preset, rotation,
                                                    centroids, offsets)
         rotation, centroids, _ = backend.tables(preset, query.device)
@@ -401,3 +401,85 @@ def test_a_sequence_length_past_the_block_table_reads_only_the_table(kernel):
                                                  centroids, kernel=kernel)
 
     torch.testing.assert_close(attend([40, 10_000]), attend([40, width]), atol=0, rtol=0)
+
+
+def _kernel_calls(preset, cache, table, seq_lens, query):
+    """(name, call) for every Triton kernel that reads or writes a cache of this preset."""
+    from tqkv_compile.lowerings import triton_attention
+
+    backend = get_backend("triton")
+    starts = torch.arange(query.shape[0] + 1, dtype=torch.int32)
+    dim = preset.head_dim
+    last = cache.shape[0] * cache.shape[1] - 1  # the cache's last slot, and the one before
+    slots = torch.tensor([last, 0, last - 1])
+    key = torch.randn(3, cache.shape[2], dim, generator=torch.Generator().manual_seed(3))
+    calls = [("kv_write", lambda: backend.kv_write(key, -key, cache, slots, preset)),
+             ("kv_dot", lambda: backend.kv_dot(query, cache, table, seq_lens, 0.125, preset))]
+    if preset.spec.vllm_name is None:
+        return calls + [("general", lambda: backend.decode_kernels(query, cache, table, seq_lens, starts, 0.125,
+                                                                   preset))]
+    rotation, centroids, _ = backend.tables(preset, query.device)
+    kernels = ["words", "bytes"] + (["stream"] if triton_attention.stream_words(preset, cache, asm=False) else [])
+    return calls + [(kernel, lambda kernel=kernel: triton_attention.decode_attention(
+        query, cache, table, seq_lens, starts, 0.125, preset, rotation, centroids, kernel=kernel))
+        for kernel in kernels if kernel != "words" or triton_attention._words_ok(cache)]
+
+
+@pytest.mark.parametrize("dim", [64, 128])
+@pytest.mark.parametrize("preset_name", PRESETS + own_preset_names())
+def test_kernels_stay_inside_an_exactly_sized_cache_of_garbage(preset_name, dim):
+    """Every kernel, on a cache that ends with the last slot it reads and holds random bytes (as a slot no
+    kv_write filled would), touches no byte outside its tensors (tests/bounds.py). On the H200 a cache whose
+    size is a whole number of 2 MiB pages faults on a read one byte past its end: the general kernel's
+    outlier index, an unmasked garbage byte, read up to 228 bytes past the rotation table before it was
+    masked to D - 1."""
+    from bounds import checked_bounds
+
+    preset = get_preset(preset_name, dim)
+    gen = torch.Generator().manual_seed(dim)
+    cache = torch.randint(0, 256, (4, BLOCK, KV_HEADS, preset.slot_bytes), dtype=torch.uint8, generator=gen)
+    table = torch.arange(4, dtype=torch.int32).view(2, 2)
+    seq_lens = torch.tensor([2 * BLOCK, 2 * BLOCK], dtype=torch.int32)
+    query = torch.randn(2, KV_HEADS * 4, dim, generator=gen)
+    for name, call in _kernel_calls(preset, cache, table, seq_lens, query):
+        with checked_bounds():
+            try:
+                call()
+            except Exception as exc:  # the interpreter wraps the checker's AssertionError
+                raise AssertionError(f"{preset_name} D={dim} {name}: {exc}") from exc
+
+
+def test_the_bounds_checker_catches_a_read_one_element_past_a_tensor():
+    from bounds import checked_bounds
+
+    @triton.jit
+    def copy(src, dst, N: tl.constexpr, EXTRA: tl.constexpr):
+        i = tl.arange(0, N)
+        tl.store(dst + i, tl.load(src + i + EXTRA))
+
+    tl = triton.language
+    src, dst = torch.arange(8.0), torch.zeros(8)
+    with checked_bounds():
+        copy[(1,)](src, dst, N=8, EXTRA=0)
+        with pytest.raises(Exception, match="load outside every tensor argument"):
+            copy[(1,)](src, dst, N=8, EXTRA=1)
+    torch.testing.assert_close(dst, src)
+
+
+@pytest.mark.parametrize("op", ["decode_attention", "kv_write", "kv_dot"])
+def test_vllm_layout_kernels_refuse_a_preset_of_ours(op):
+    """They would read its slots as garbage (the bench timed them so until this was caught on the H200)."""
+    from tqkv_compile.lowerings import triton_attention, triton_kv_dot, triton_kv_write
+
+    preset = get_preset("tqkv_k5v3", 64)
+    cache = torch.zeros(2, BLOCK, KV_HEADS, preset.slot_bytes, dtype=torch.uint8)
+    x = torch.zeros(1, KV_HEADS, 64)
+    table, lens = torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32)
+    eye = torch.eye(64)
+    call = {"decode_attention": lambda: triton_attention.decode_attention(
+                x, cache, table, lens, torch.tensor([0, 1], dtype=torch.int32), 0.125, preset, eye, eye),
+            "kv_write": lambda: triton_kv_write.kv_write(x, x, cache, torch.zeros(1, dtype=torch.int64), preset,
+                                                         eye, eye),
+            "kv_dot": lambda: triton_kv_dot.kv_dot(x, cache, table, lens, 0.125, preset, eye, eye)}[op]
+    with pytest.raises(ValueError, match="not one of vLLM's slot layouts"):
+        call()

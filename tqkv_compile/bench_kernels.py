@@ -111,8 +111,19 @@ def _decode_case(records, B, L, presets, vllm, tune, variants=None, cache_tokens
         cache = torch.randint(0, 100, (num_blocks, BS, HK, p.slot_bytes), dtype=torch.uint8, device=dev)
         nbytes = B * L * HK * p.slot_bytes
         backend = tqkv_compile.get_backend("triton")
-        rotation, centroids, _ = backend.tables(p, torch.device(dev))
         variants = [{}]
+        if p.spec.vllm_name is None:  # a preset of ours: triton_general's kernel (no tuning knobs)
+            fn = lambda: backend.decode_kernels(q, cache, bt, seq_lens, qsl, scale, p)  # noqa: E731
+            try:
+                us, how = _time_us(fn)
+                _record(records, op="decode", B=B, L=L, impl="tqkv", preset=name, us=round(us, 1),
+                        GBps=round(nbytes / us / 1e3, 1), timing=how)
+            except Exception as exc:  # noqa: BLE001
+                _record(records, op="decode", B=B, L=L, impl="tqkv", preset=name, error=str(exc)[:300])
+            del cache
+            torch.cuda.empty_cache()
+            continue
+        rotation, centroids, _ = backend.tables(p, torch.device(dev))
         if tune:
             variants = tune_variants or [dict(block_n=bn, num_warps=w, num_stages=s, kernel=k)
                                          for bn in (32, 64, 128) for w in (4, 8) for s in (2, 3)
@@ -162,9 +173,14 @@ def _write_case(records, T, presets, vllm):
     for name in presets:
         p = tqkv_compile.get_preset(name, D)
         backend = tqkv_compile.get_backend("triton")
-        rotation, centroids, midpoints = backend.tables(p, torch.device(dev))
         cache = torch.zeros(num_blocks, BS, HK, p.slot_bytes, dtype=torch.uint8, device=dev)
         nbytes = T * HK * (2 * D * 2 + p.slot_bytes)
+        if p.spec.vllm_name is None:  # a preset of ours: triton_general's kernel, no vLLM counterpart
+            us, how = _time_us(lambda: backend.kv_write(key, value, cache, slots, p))
+            _record(records, op="kv_write", B=1, L=T, impl="tqkv", preset=name, us=round(us, 1),
+                    GBps=round(nbytes / us / 1e3, 1), timing=how)
+            continue
+        rotation, centroids, midpoints = backend.tables(p, torch.device(dev))
         us, how = _time_us(lambda: kv_write(key, value, cache, slots, p, rotation, midpoints))
         _record(records, op="kv_write", B=1, L=T, impl="tqkv", preset=name, us=round(us, 1),
                 GBps=round(nbytes / us / 1e3, 1), timing=how)

@@ -47,7 +47,7 @@ class TritonBackend:
 
         return triton_general.supports(preset)
 
-    def _general_tables(self, preset: Preset, device: torch.device):
+    def general_tables(self, preset: Preset, device: torch.device):
         """(rotation, centroids, midpoints, offsets) for a preset of ours (``triton_general.tables``)."""
         from tqkv_compile.lowerings import triton_general
 
@@ -78,19 +78,19 @@ class TritonBackend:
         """Build every table the kernels read for ``preset`` on ``device`` now (vLLM calls this before CUDA-graph
         capture, where host-to-device copies are not allowed)."""
         if preset.spec.vllm_name is None:
-            self._general_tables(preset, device)
+            self.general_tables(preset, device)
             return
-        from tqkv_compile.lowerings.triton_attention import column_order, lut_tables
+        from tqkv_compile.lowerings.triton_attention import column_order, key_lut
 
         self.tables(preset, device)
-        lut_tables(preset, device)
+        key_lut(preset, device)
         column_order(preset, device)
 
     def kv_write(self, key, value, kv_cache, slot_mapping, preset: Preset) -> None:
         if preset.spec.vllm_name is None:
             from tqkv_compile.lowerings import triton_general
 
-            rotation, _, midpoints, offsets = self._general_tables(preset, kv_cache.device)
+            rotation, _, midpoints, offsets = self.general_tables(preset, kv_cache.device)
             triton_general.kv_write(key, value, kv_cache, slot_mapping, preset, rotation, midpoints, offsets)
             return
         from tqkv_compile.lowerings.triton_kv_write import kv_write
@@ -103,31 +103,34 @@ class TritonBackend:
         dense path (:mod:`tqkv_compile.backends.prefill`)."""
         planned = prefill.plan(query_start_loc, seq_lens, query.shape[0])
         if planned is None:
-            return self._kernel_attention(query, kv_cache, block_table, seq_lens, query_start_loc, scale, preset)
+            return self.decode_kernels(query, kv_cache, block_table, seq_lens, query_start_loc, scale, preset)
         starts, dense = planned
         out = torch.empty_like(query)
         short = sorted(set(range(seq_lens.shape[0])) - set(dense))
         if short:
             if short == list(range(len(short))):  # vLLM's order: decodes first, so usually a plain prefix
                 rows = slice(0, starts[len(short)])
-                sub = self._kernel_attention(query[rows], kv_cache, block_table[: len(short)], seq_lens[: len(short)],
+                sub = self.decode_kernels(query[rows], kv_cache, block_table[: len(short)], seq_lens[: len(short)],
                                              query_start_loc[: len(short) + 1], scale, preset)
                 out[rows] = sub
             else:
                 index = torch.cat([torch.arange(starts[b], starts[b + 1]) for b in short]).to(query.device)
                 counts = torch.tensor([0] + [starts[b + 1] - starts[b] for b in short]).cumsum(0)
                 picked = torch.tensor(short, device=query.device)
-                sub = self._kernel_attention(query[index], kv_cache, block_table[picked], seq_lens[picked],
+                sub = self.decode_kernels(query[index], kv_cache, block_table[picked], seq_lens[picked],
                                              counts.to(query_start_loc.device, query_start_loc.dtype), scale, preset)
                 out[index] = sub
         prefill.dense_attention(query, kv_cache, block_table, seq_lens, starts, scale, preset, dense, out)
         return out
 
-    def _kernel_attention(self, query, kv_cache, block_table, seq_lens, query_start_loc, scale, preset: Preset):
+    def decode_kernels(self, query, kv_cache, block_table, seq_lens, query_start_loc, scale, preset: Preset):
+        """The decode kernels alone for every row (no prefill plan): vLLM's presets on
+        :mod:`~tqkv_compile.lowerings.triton_attention`'s, ours on :mod:`~tqkv_compile.lowerings.triton_general`'s
+        (what ``tqkv bench kernels`` times)."""
         if preset.spec.vllm_name is None:
             from tqkv_compile.lowerings import triton_general
 
-            rotation, centroids, _, offsets = self._general_tables(preset, query.device)
+            rotation, centroids, _, offsets = self.general_tables(preset, query.device)
             return triton_general.decode_attention(query, kv_cache, block_table, seq_lens, query_start_loc, scale,
                                                    preset, rotation, centroids, offsets)
         from tqkv_compile.lowerings.triton_attention import decode_attention
@@ -140,7 +143,7 @@ class TritonBackend:
         if preset.spec.vllm_name is None:
             from tqkv_compile.lowerings import triton_general
 
-            rotation, centroids, _, offsets = self._general_tables(preset, query.device)
+            rotation, centroids, _, offsets = self.general_tables(preset, query.device)
             return triton_general.kv_dot(query, kv_cache, block_table, seq_lens, scale, preset, rotation, centroids,
                                          offsets)
         from tqkv_compile.lowerings.triton_kv_dot import kv_dot
