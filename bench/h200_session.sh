@@ -11,6 +11,8 @@
 #                                                and kv_write (64, 8192 tokens)
 #                                                beside FA3 and vLLM's: $OUT/h200-decode-TAG.json (A/B: run, change
 #                                                the checkout, run again)
+#   bash bench/h200_session.sh full              issue 4's table: bench kernels, every case, baselines, plot
+#   bash bench/h200_session.sh tune              the stream kernel's launch knobs (block_n, warps, maxnreg, stages)
 #   bash bench/h200_session.sh variants          the decode bench for each .variants/ tree (bench/make_variants.sh)
 #                                                in one run: $OUT/h200-variants.json, $OUT/variants.log
 #   bash bench/h200_session.sh diagnose          why an eager tqkv run did not finish (h200-vllm020-notes.md)
@@ -108,13 +110,31 @@ PY
     ;;
 kernels)
     step "presets of ours: Triton vs the reference"
-    timeout 150 python3 -m tqkv_compile.bench_kernels --check --presets tqkv_k4o1v225,tqkv_k5v3 --dims 64,128,256 \
+    timeout 200 python3 -m tqkv_compile.bench_kernels --check --presets tqkv_k4o1v225,tqkv_k5v3 --dims ${CHECK_DIMS:-64,128} \
         > "$OUT/check-own.log" 2>&1; tail -3 "$OUT/check-own.log"
     step "presets of ours timed beside vLLM's presets (our kernels, no baselines)"
     timeout 150 python3 -m tqkv_compile.bench_kernels --no-baselines \
         --presets tqkv_k4o1v225,tqkv_k5v3,turboquant_k3v4_nc,turboquant_4bit_nc --cases 1x32768,64x32768 \
         --write-tokens 64,8192 --out "$OUT/h200-own-presets.json" > "$OUT/own-presets.log" 2>&1
     tail -25 "$OUT/own-presets.log"
+    ;;
+full)
+    # issue 4's table: every case and preset, FA3 bf16 / fp8 and vLLM's TurboQuant beside ours, and the plot
+    step "bench kernels: all cases and presets with the baselines"
+    timeout ${FULL_TIMEOUT:-300} python3 -m tqkv_compile.bench_kernels --out "$OUT/h200-kernels.json" \
+        --plot "$OUT/h200-kernels.png" > "$OUT/full.log" 2>&1
+    tail -40 "$OUT/full.log" | grep -v '^{'
+    ;;
+tune)
+    # the stream kernel's launch knobs again, after the instruction cuts (TUNE_VARIANTS: a JSON list)
+    step "stream kernel launch knobs: 4bit_nc and k8v4 at 64x32768 and 1x32768"
+    knobs='[{}, {"block_n": 32}, {"block_n": 128}, {"num_warps": 8}, {"block_n": 128, "num_warps": 8},
+            {"maxnreg": 128}, {"maxnreg": 255}, {"num_stages": 2}]'
+    timeout ${TUNE_TIMEOUT:-200} python3 -m tqkv_compile.bench_kernels --tune --presets turboquant_4bit_nc,turboquant_k8v4 \
+        --cases 64x32768,1x32768 --out "$OUT/h200-tune.json" --variants "${TUNE_VARIANTS:-$knobs}" > "$OUT/tune.log" 2>&1
+    python3 -c "import json, sys
+for r in json.load(open(sys.argv[1]))[1:]: print(r['preset'], f\"{r['B']}x{r['L']}\", r.get('us', r.get('error', '')[:80]), r['variant'])" \
+        "$OUT/h200-tune.json" || tail -5 "$OUT/tune.log"
     ;;
 decode)
     # the decode kernels of the checkout as it is, with FA3 and vLLM's TurboQuant beside them, tagged: run it,
@@ -144,7 +164,9 @@ out = sys.argv[1]; records = []
 for path in sorted(glob.glob(f"{out}/v-*.json")):
     tag = os.path.basename(path)[2:-5]
     for r in json.load(open(path)):
-        records.append({**r, "variant": tag} if "meta" not in r else {"meta": {**r["meta"], "variant": tag}})
+        records.append({**r, "variant": tag} if "meta" not in r else
+                       {"meta": {**r["meta"], "variant": tag, "harness_commit": r["meta"].get("commit"),
+                                 "commit": open(f"{os.getcwd()}/.variants/{tag.removesuffix('-again')}/COMMIT").read().strip()}})
     os.remove(path)
 json.dump(records, open(f"{out}/h200-variants.json", "w"), indent=1)
 print(len(records), "records in h200-variants.json")
@@ -186,6 +208,6 @@ fa2)
         echo "JIT cache: $parts part(s) in \$OUT; carry them back as .gpu/nvcache/" >&2
     fi
     ;;
-*) echo "usage: bash bench/h200_session.sh agreement|kernels|decode [TAG]|variants|e2e CONFIGS [CASES]|diagnose|fa2" >&2; exit 2 ;;
+*) echo "usage: bash bench/h200_session.sh agreement|kernels|decode [TAG]|variants|full|tune|e2e CONFIGS [CASES]|diagnose|fa2" >&2; exit 2 ;;
 esac
 step "done"
