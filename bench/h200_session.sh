@@ -147,6 +147,7 @@ decode)
 variants)
     # A/B of kernel changes in one run: each .variants/NN-NAME/ (bench/make_variants.sh, carried) is one commit's
     # package; the first is timed beside FA3 and vLLM's TurboQuant, the rest alone, then the first again (drift)
+    ls -d .variants/*/ >/dev/null 2>&1 || { echo "no .variants/: run bench/make_variants.sh here, carry .variants" >&2; exit 2; }
     first=$(ls -d .variants/*/ | head -1)
     for v in $(ls -d .variants/*/) $first; do
         name=$(basename "$v"); tag=$name; [ -f "$OUT/v-$name.json" ] && tag=$name-again

@@ -4,6 +4,9 @@ must fall inside the span of one of the tensors its launch was given, else Asser
 On the GPU a read past a tensor is silent until it crosses into an unmapped page (vLLM's caches are allocated
 in whole 2 MiB pages, so a read one byte past the last slot faults only when the cache ends on a page
 boundary); here every such read fails, whatever the size.
+
+Limit: an address is accepted when it falls inside any of the launch's tensors, so an over-read of one
+argument that lands inside another (say the cache's end next to a partial-output buffer) is not caught.
 """
 
 from __future__ import annotations

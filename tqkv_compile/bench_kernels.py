@@ -176,9 +176,12 @@ def _write_case(records, T, presets, vllm):
         cache = torch.zeros(num_blocks, BS, HK, p.slot_bytes, dtype=torch.uint8, device=dev)
         nbytes = T * HK * (2 * D * 2 + p.slot_bytes)
         if p.spec.vllm_name is None:  # a preset of ours: triton_general's kernel, no vLLM counterpart
-            us, how = _time_us(lambda: backend.kv_write(key, value, cache, slots, p))
-            _record(records, op="kv_write", B=1, L=T, impl="tqkv", preset=name, us=round(us, 1),
-                    GBps=round(nbytes / us / 1e3, 1), timing=how)
+            try:
+                us, how = _time_us(lambda: backend.kv_write(key, value, cache, slots, p))
+                _record(records, op="kv_write", B=1, L=T, impl="tqkv", preset=name, us=round(us, 1),
+                        GBps=round(nbytes / us / 1e3, 1), timing=how)
+            except Exception as exc:  # noqa: BLE001
+                _record(records, op="kv_write", B=1, L=T, impl="tqkv", preset=name, error=str(exc)[:300])
             continue
         rotation, centroids, midpoints = backend.tables(p, torch.device(dev))
         us, how = _time_us(lambda: kv_write(key, value, cache, slots, p, rotation, midpoints))
