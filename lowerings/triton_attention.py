@@ -202,13 +202,17 @@ def _split_span(row, kv_head, split, qsl_ptr, seq_lens_ptr, num_seqs, max_len, G
 
 
 @triton.jit
-def _tile_base(bt_row, s_bm, start, end, n, kv_head, s_blk, s_pos, s_head, BLOCK_SIZE: tl.constexpr):
-    """Byte offset of each slot of the tile at start (0 past end) and its validity. The block-id load is the
-    only load here."""
+def _tile_base(bt_row, s_bm, start, end, n, kv_head, s_blk, s_pos, s_head, BLOCK_SIZE: tl.constexpr,
+               INDEX32: tl.constexpr):
+    """Offset of each slot of the tile at start (0 past end), in the strides' unit (bytes; the stream
+    kernel's 2-byte units), and its validity. int32 arithmetic with ``INDEX32`` (the host found the cache
+    view spans fewer than 2^31 units), int64 otherwise. The block-id load is the only load here."""
     pos = start + n
     valid = pos < end
     upos = pos.to(tl.uint32)  # >= 0: unsigned division by the block size is a shift, not a signed fix-up
-    block = tl.load(bt_row + (upos // BLOCK_SIZE).to(tl.int32) * s_bm, mask=valid, other=0).to(tl.int64)
+    block = tl.load(bt_row + (upos // BLOCK_SIZE).to(tl.int32) * s_bm, mask=valid, other=0)
+    if not INDEX32:
+        block = block.to(tl.int64)
     return block * s_blk + (upos % BLOCK_SIZE).to(tl.int32) * s_pos + kv_head * s_head, valid
 
 
@@ -258,7 +262,7 @@ def _decode_split_kernel(
     bt_row = block_table_ptr + seq.to(tl.int64) * s_bt
     n = tl.arange(0, BLOCK_N)
     for start in range(begin, end, BLOCK_N):
-        base, valid = _tile_base(bt_row, s_bm, start, end, n, kv_head, s_blk, s_pos, s_head, BLOCK_SIZE)
+        base, valid = _tile_base(bt_row, s_bm, start, end, n, kv_head, s_blk, s_pos, s_head, BLOCK_SIZE, False)
 
         scores = _key_scores(q_a, q_b, cache_ptr, cent_ptr, base, valid, s_byte, D, KEY_FP8, KEY_BITS,
                              KEY_CODE_BYTES, NORM_CORRECTION, DTYPE, "ieee" if DOT_FP32 else None)
@@ -388,7 +392,7 @@ def _decode_words_kernel(
     KW: tl.constexpr = D // 4 if KEY_FP8 else D * KEY_BITS // 32  # key code words
     VW: tl.constexpr = D * VALUE_BITS // 32
     for start in range(begin, end, BLOCK_N):
-        base, valid = _tile_base(bt_row, s_bm, start, end, n, kv_head, s_blk, s_pos, s_head, BLOCK_SIZE)
+        base, valid = _tile_base(bt_row, s_bm, start, end, n, kv_head, s_blk, s_pos, s_head, BLOCK_SIZE, False)
 
         # ---- keys -> scores [BLOCK_H, BLOCK_N]
         if KEY_FP8:
@@ -442,20 +446,6 @@ def _decode_words_kernel(
 
 
 @triton.jit
-def _tile_halves(bt_row, s_bm, start, end, n, kv_head, h_blk, h_pos, h_head, BLOCK_SIZE: tl.constexpr,
-                 INDEX32: tl.constexpr):
-    """:func:`_tile_base` in 2-byte units (the stream kernel's cache: every stride even), in int32 arithmetic
-    when the host found the cache view spans fewer than 2^31 of them (``INDEX32``; int64 otherwise)."""
-    pos = start + n
-    valid = pos < end
-    upos = pos.to(tl.uint32)  # >= 0: unsigned division by the block size is a shift, not a signed fix-up
-    block = tl.load(bt_row + (upos // BLOCK_SIZE).to(tl.int32) * s_bm, mask=valid, other=0)
-    if not INDEX32:
-        block = block.to(tl.int64)
-    return block * h_blk + (upos % BLOCK_SIZE).to(tl.int32) * h_pos + kv_head * h_head, valid
-
-
-@triton.jit
 def _load_field_h(eptr, base_h, offset: tl.constexpr, nbytes: tl.constexpr, WORD: tl.constexpr):
     """The nbytes-byte field at byte offset ``offset`` of the slots at ``base_h`` (2-byte units) as WORD-byte
     little-endian words, int32 [N, nbytes / WORD] (zero-extended); unmasked."""
@@ -464,7 +454,7 @@ def _load_field_h(eptr, base_h, offset: tl.constexpr, nbytes: tl.constexpr, WORD
         word = base_h + offset // 2
     else:  # 4-byte words: base_h + offset / 2 is even (the host checked the alignment), >= 0
         word = ((base_h + offset // 2).to(tl.uint32 if base_h.dtype == tl.int32 else tl.uint64) // 2).to(base_h.dtype)
-    # not masked: past the end a position's block id loads as 0 (_tile_halves), so its address is a slot of
+    # not masked: past the end a position's block id loads as 0 (_tile_base), so its address is a slot of
     # block 0, inside the cache; what it reads there is dropped (its score is -inf, its p is 0, and code
     # lookups are finite, fp8 keys' NaN included: the score is replaced)
     raw = tl.load(eptr + word[:, None] + j[None, :])
@@ -627,7 +617,7 @@ def _decode_stream_kernel(
     bt_row = block_table_ptr + seq.to(tl.int64) * s_bt
     n = tl.arange(0, BLOCK_N)
 
-    base, valid = _tile_halves(bt_row, s_bm, begin, end, n, kv_head, h_blk, h_pos, h_head, BLOCK_SIZE,
+    base, valid = _tile_base(bt_row, s_bm, begin, end, n, kv_head, h_blk, h_pos, h_head, BLOCK_SIZE,
                                INDEX32)
     kw = _load_field_h(kptr, base, 0, KEY_CODE_BYTES, KEY_WORD)
     vw = _load_field_h(vptr, base, VALUE_OFFSET, VALUE_CODE_BYTES, VALUE_WORD)
@@ -638,7 +628,7 @@ def _decode_stream_kernel(
     else:
         knorm = _load_half_h(hptr, base, valid, KEY_CODE_BYTES)
     if PREFETCH:
-        base_next, valid_next = _tile_halves(bt_row, s_bm, begin + BLOCK_N, end, n, kv_head, h_blk, h_pos, h_head,
+        base_next, valid_next = _tile_base(bt_row, s_bm, begin + BLOCK_N, end, n, kv_head, h_blk, h_pos, h_head,
                                            BLOCK_SIZE, INDEX32)
     for start in range(begin, end, BLOCK_N):
         if PREFETCH:
@@ -651,7 +641,7 @@ def _decode_stream_kernel(
                 knorm_n = vscale_n
             else:
                 knorm_n = _load_half_h(hptr, base_next, valid_next, KEY_CODE_BYTES)
-            base_after, valid_after = _tile_halves(bt_row, s_bm, start + 2 * BLOCK_N, end, n, kv_head, h_blk, h_pos,
+            base_after, valid_after = _tile_base(bt_row, s_bm, start + 2 * BLOCK_N, end, n, kv_head, h_blk, h_pos,
                                                  h_head, BLOCK_SIZE, INDEX32)
         valid = start + n < end
 
@@ -696,7 +686,7 @@ def _decode_stream_kernel(
             kw, vw, vscale, vzero, knorm = kw_n, vw_n, vscale_n, vzero_n, knorm_n
             base_next, valid_next = base_after, valid_after
         else:
-            base, valid_t = _tile_halves(bt_row, s_bm, start + BLOCK_N, end, n, kv_head, h_blk, h_pos, h_head,
+            base, valid_t = _tile_base(bt_row, s_bm, start + BLOCK_N, end, n, kv_head, h_blk, h_pos, h_head,
                                        BLOCK_SIZE, INDEX32)
             kw = _load_field_h(kptr, base, 0, KEY_CODE_BYTES, KEY_WORD)
             vw = _load_field_h(vptr, base, VALUE_OFFSET, VALUE_CODE_BYTES, VALUE_WORD)
