@@ -7,14 +7,11 @@
 #   bash bench/h200_session.sh e2e CONFIGS [CASES] [TIMEOUT]   tqkv bench e2e (Llama-3-8B shape, dummy weights;
 #                                                E2E_PROFILE=1: torch.profiler tables as $OUT/e2e-profiles.tgz;
 #                                                more bench options in E2E_ARGS)
-#   bash bench/h200_session.sh decode [TAG]      decode kernels of the checkout (4bit_nc, k8v4; 64x32768, 1x32768)
-#                                                and kv_write (64, 8192 tokens)
-#                                                beside FA3 and vLLM's: $OUT/h200-decode-TAG.json (A/B: run, change
-#                                                the checkout, run again)
 #   bash bench/h200_session.sh full              issue 4's table: bench kernels, every case, baselines, plot
 #   bash bench/h200_session.sh tune              the stream kernel's launch knobs (block_n, warps, maxnreg, stages)
-#   bash bench/h200_session.sh variants          the decode bench for each .variants/ tree (bench/make_variants.sh)
-#                                                in one run: $OUT/h200-variants.json, $OUT/variants.log
+#   bash bench/h200_session.sh variants          decode kernels (4bit_nc, k8v4; VARIANT_PRESETS / VARIANT_CASES) and
+#                                                kv_write of each .variants/ tree (bench/make_variants.sh), beside
+#                                                FA3 and vLLM's, in one run: $OUT/h200-variants.json, $OUT/variants.log
 #   bash bench/h200_session.sh diagnose          why an eager tqkv run did not finish (h200-vllm020-notes.md)
 #   bash bench/h200_session.sh fa2               vLLM's FA2 first-launch times (driver JIT from sm_80 PTX on
 #                                                sm_90), twice; its JIT cache goes to $OUT/nvcache.tgz.* (carry
@@ -136,14 +133,6 @@ tune)
 for r in json.load(open(sys.argv[1]))[1:]: print(r['preset'], f\"{r['B']}x{r['L']}\", r.get('us', r.get('error', '')[:80]), r['variant'])" \
         "$OUT/h200-tune.json" || tail -5 "$OUT/tune.log"
     ;;
-decode)
-    # the decode kernels of the checkout as it is, with FA3 and vLLM's TurboQuant beside them, tagged: run it,
-    # change the checkout (e.g. git checkout exp/unsigned-index), run it again: consecutive commands on one
-    # machine are the same run
-    step "decode kernels (${2:-head}): 4bit_nc and k8v4 at 64x32768 and 1x32768; kv_write at 64 and 8192 tokens"
-    timeout 300 python3 -m tqkv_compile.bench_kernels --presets turboquant_4bit_nc,turboquant_k8v4 \
-        --cases 64x32768,1x32768 --write-tokens 64,8192 --out "$OUT/h200-decode-${2:-head}.json" 2>&1 | tail -16
-    ;;
 variants)
     # A/B of kernel changes in one run: each .variants/NN-NAME/ (bench/make_variants.sh, carried) is one commit's
     # package; the first is timed beside FA3 and vLLM's TurboQuant, the rest alone, then the first again (drift)
@@ -209,6 +198,6 @@ fa2)
         echo "JIT cache: $parts part(s) in \$OUT; carry them back as .gpu/nvcache/" >&2
     fi
     ;;
-*) echo "usage: bash bench/h200_session.sh agreement|kernels|decode [TAG]|variants|full|tune|e2e CONFIGS [CASES]|diagnose|fa2" >&2; exit 2 ;;
+*) echo "usage: bash bench/h200_session.sh agreement|kernels|variants|full|tune|e2e CONFIGS [CASES]|diagnose|fa2" >&2; exit 2 ;;
 esac
 step "done"

@@ -113,31 +113,23 @@ def _decode_case(records, B, L, presets, vllm, tune, variants=None, cache_tokens
         backend = tqkv_compile.get_backend("triton")
         variants = [{}]
         if p.spec.vllm_name is None:  # a preset of ours: triton_general's kernel (no tuning knobs)
-            fn = lambda: backend.decode_kernels(q, cache, bt, seq_lens, qsl, scale, p)  # noqa: E731
-            try:
-                us, how = _time_us(fn)
-                _record(records, op="decode", B=B, L=L, impl="tqkv", preset=name, us=round(us, 1),
-                        GBps=round(nbytes / us / 1e3, 1), timing=how)
-            except Exception as exc:  # noqa: BLE001
-                _record(records, op="decode", B=B, L=L, impl="tqkv", preset=name, error=str(exc)[:300])
-            del cache
-            torch.cuda.empty_cache()
-            continue
-        rotation, centroids, _ = backend.tables(p, torch.device(dev))
-        if tune:
-            variants = tune_variants or [dict(block_n=bn, num_warps=w, num_stages=s, kernel=k)
-                                         for bn in (32, 64, 128) for w in (4, 8) for s in (2, 3)
-                                         for k in ("words", "bytes")]
+            call = lambda kw: backend.decode_kernels(q, cache, bt, seq_lens, qsl, scale, p)  # noqa: E731
+        else:
+            rotation, centroids, _ = backend.tables(p, torch.device(dev))
+            call = lambda kw: decode_attention(q, cache, bt, seq_lens, qsl, scale, p, rotation, centroids, **kw)  # noqa: E731
+            if tune:
+                variants = tune_variants or [dict(block_n=bn, num_warps=w, num_stages=s, kernel=k)
+                                             for bn in (32, 64, 128) for w in (4, 8) for s in (2, 3)
+                                             for k in ("words", "bytes")]
         for kw in variants:
             try:
-                fn = lambda: decode_attention(q, cache, bt, seq_lens, qsl, scale, p, rotation, centroids, **kw)  # noqa: E731
-                us, how = _time_us(fn)
+                us, how = _time_us(lambda: call(kw))
                 _record(records, op="decode", B=B, L=L, impl="tqkv", preset=name, us=round(us, 1),
                         GBps=round(nbytes / us / 1e3, 1), timing=how, **({"variant": kw} if tune else {}))
             except Exception as exc:  # noqa: BLE001
                 _record(records, op="decode", B=B, L=L, impl="tqkv", preset=name, error=str(exc)[:300],
                         **({"variant": kw} if tune else {}))
-        if vllm is not None and not tune:
+        if vllm is not None and not tune and p.spec.vllm_name is not None:
             cfg = vllm["TurboQuantConfig"].from_cache_dtype(name, D)
             vcache = torch.randint(0, 100, (num_blocks, BS, HK, cfg.slot_size_aligned), dtype=torch.uint8,
                                    device=dev)
@@ -176,18 +168,17 @@ def _write_case(records, T, presets, vllm):
         cache = torch.zeros(num_blocks, BS, HK, p.slot_bytes, dtype=torch.uint8, device=dev)
         nbytes = T * HK * (2 * D * 2 + p.slot_bytes)
         if p.spec.vllm_name is None:  # a preset of ours: triton_general's kernel, no vLLM counterpart
-            try:
-                us, how = _time_us(lambda: backend.kv_write(key, value, cache, slots, p))
-                _record(records, op="kv_write", B=1, L=T, impl="tqkv", preset=name, us=round(us, 1),
-                        GBps=round(nbytes / us / 1e3, 1), timing=how)
-            except Exception as exc:  # noqa: BLE001
-                _record(records, op="kv_write", B=1, L=T, impl="tqkv", preset=name, error=str(exc)[:300])
-            continue
-        rotation, centroids, midpoints = backend.tables(p, torch.device(dev))
-        us, how = _time_us(lambda: kv_write(key, value, cache, slots, p, rotation, midpoints))
-        _record(records, op="kv_write", B=1, L=T, impl="tqkv", preset=name, us=round(us, 1),
-                GBps=round(nbytes / us / 1e3, 1), timing=how)
-        if vllm is None:
+            write = lambda: backend.kv_write(key, value, cache, slots, p)  # noqa: E731
+        else:
+            rotation, centroids, midpoints = backend.tables(p, torch.device(dev))
+            write = lambda: kv_write(key, value, cache, slots, p, rotation, midpoints)  # noqa: E731
+        try:
+            us, how = _time_us(write)
+            _record(records, op="kv_write", B=1, L=T, impl="tqkv", preset=name, us=round(us, 1),
+                    GBps=round(nbytes / us / 1e3, 1), timing=how)
+        except Exception as exc:  # noqa: BLE001
+            _record(records, op="kv_write", B=1, L=T, impl="tqkv", preset=name, error=str(exc)[:300])
+        if vllm is None or p.spec.vllm_name is None:
             continue
         cfg = vllm["TurboQuantConfig"].from_cache_dtype(name, D)
         vcache = torch.zeros(num_blocks, BS, HK, cfg.slot_size_aligned, dtype=torch.uint8, device=dev)
