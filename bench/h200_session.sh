@@ -9,6 +9,8 @@
 #                                                more bench options in E2E_ARGS)
 #   bash bench/h200_session.sh full              issue 4's table: bench kernels, every case, baselines, plot
 #   bash bench/h200_session.sh tune              the stream kernel's launch knobs (block_n, warps, maxnreg, stages)
+#   bash bench/h200_session.sh prefill           prefill attention (PREFILL_CASES): tqkv's dense path with the Triton
+#                                                decode and with the codec's, beside FA3 on raw bf16 K/V
 #   bash bench/h200_session.sh variants          decode kernels (4bit_nc, k8v4; VARIANT_PRESETS / VARIANT_CASES) and
 #                                                kv_write of each .variants/ tree (bench/make_variants.sh), beside
 #                                                FA3 and vLLM's, in one run: $OUT/h200-variants.json, $OUT/variants.log
@@ -122,6 +124,12 @@ full)
         --plot "$OUT/h200-kernels.png" > "$OUT/full.log" 2>&1
     tail -40 "$OUT/full.log" | grep -v '^{'
     ;;
+prefill)
+    step "prefill attention, whole prompts ${PREFILL_CASES:=4x4096,1x16384}: tqkv's dense path vs FA3 on raw bf16"
+    timeout ${PREFILL_TIMEOUT:-200} python3 -m tqkv_compile.bench_kernels --cases "" --write-tokens "" \
+        --prefill "$PREFILL_CASES" --out "$OUT/h200-prefill.json" > "$OUT/prefill.log" 2>&1
+    grep -v '^{' "$OUT/prefill.log" | tail -16
+    ;;
 tune)
     # the stream kernel's launch knobs again, after the instruction cuts (TUNE_VARIANTS: a JSON list)
     step "stream kernel launch knobs: 4bit_nc and k8v4 at 64x32768 and 1x32768"
@@ -198,6 +206,6 @@ fa2)
         echo "JIT cache: $parts part(s) in \$OUT; carry them back as .gpu/nvcache/" >&2
     fi
     ;;
-*) echo "usage: bash bench/h200_session.sh agreement|kernels|variants|full|tune|e2e CONFIGS [CASES]|diagnose|fa2" >&2; exit 2 ;;
+*) echo "usage: bash bench/h200_session.sh agreement|kernels|variants|full|tune|prefill|e2e CONFIGS [CASES]|diagnose|fa2" >&2; exit 2 ;;
 esac
 step "done"

@@ -26,6 +26,7 @@ _KERNEL_MODULES = [
     "tqkv_compile.lowerings.triton_kv_dot",
     "tqkv_compile.lowerings.triton_attention",
     "tqkv_compile.lowerings.triton_kv_write",
+    "tqkv_compile.lowerings.triton_dequant",
 ]
 PRESETS = preset_names()
 HEAD_DIMS = (64, 128, 256)
@@ -176,13 +177,38 @@ def test_long_new_token_runs_take_the_dense_path_and_match_reference(preset_name
     preset = get_preset(preset_name, 64)
     calls = []
     dense = prefill.dense_attention
-    monkeypatch.setattr(prefill, "dense_attention", lambda *a: calls.append(a[-2]) or dense(*a))
+    monkeypatch.setattr(prefill, "dense_attention", lambda *a, **k: calls.append(a[-2]) or dense(*a, **k))
     new, lengths = [1, 160, 1, 140], [30, 160, 45, 200]  # seq 1: first chunk; seq 3: continuation of 60 cached
     if order == "prefills_first":
         new, lengths = new[::-1], lengths[::-1]
     out, expected = _attention_both(preset, 2, torch.bfloat16, new, lengths, seed=11)
     assert calls == [[b for b, n in enumerate(new) if n > prefill.DENSE_MIN_NEW_TOKENS]]
     torch.testing.assert_close(out.float(), expected.float(), **_tolerance(torch.bfloat16))
+
+
+@pytest.mark.parametrize("dim", HEAD_DIMS)
+@pytest.mark.parametrize("preset_name", PRESETS)
+def test_dequant_kernel_equals_the_codec_decode(preset_name, dim):
+    """The prefill path's Triton decode (all dense sequences' slots at once) gives the codec's keys (stored
+    basis, times the norm) and values, read from a strided cache with the slots in table order."""
+    from tqkv_compile.backends import prefill
+    from tqkv_compile.lowerings import triton_dequant
+
+    preset = get_preset(preset_name, dim)
+    lengths = [21, 3, 40]
+    cache, table, seq_lens = _filled_cache(preset, lengths, seed=dim, fill=0xFF)
+    slots = prefill.slot_ids(table, [2, 0], lengths, BLOCK)
+    assert slots.shape == (61,)
+    _, centroids, _ = get_backend("triton").tables(preset, cache.device)
+    keys, values = triton_dequant.decode_slots(cache, slots, preset, centroids, torch.float32)
+    want_keys, want_values = prefill.codec_decode(cache, slots, preset, torch.float32)
+    assert keys.shape == (61, KV_HEADS, dim) and values.shape == keys.shape
+    torch.testing.assert_close(keys, want_keys, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(values, want_values, atol=1e-6, rtol=1e-5)
+    assert keys.abs().sum() > 0 and values.abs().sum() > 0
+    bf16_keys, _ = triton_dequant.decode_slots(cache, slots, preset, centroids, torch.bfloat16)
+    assert bf16_keys.dtype == torch.bfloat16  # within one bf16 step (the interpreter's cast truncates)
+    torch.testing.assert_close(bf16_keys.float(), keys, atol=1e-6, rtol=2**-7)
 
 
 @pytest.mark.parametrize("preset_name", PRESETS)

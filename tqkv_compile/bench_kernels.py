@@ -9,7 +9,8 @@ way ``shared/gpu/baselines/decode_kernels_vllm020.py`` does.
     python -m tqkv_compile.bench_kernels --check      # Triton backend vs the reference on this GPU
 
 Writes a JSON list of records ``{"op", "B", "L", "impl", "preset", "us", "GBps"}`` (kv_write: ``L`` is the
-token count, ``B`` is 1) and one ``{"meta": {...}}`` record.
+token count, ``B`` is 1; ``--prefill BxL``: op ``prefill``, B whole prompts of L tokens, no GBps) and one
+``{"meta": {...}}`` record.
 """
 
 from __future__ import annotations
@@ -31,12 +32,15 @@ CASES = [(1, 4096), (1, 32768), (16, 8192), (64, 8192), (64, 32768), (128, 16384
 WRITE_TOKENS = [64, 8192]
 
 
-def _time_us(fn) -> tuple[float, str]:
-    """Median microseconds of fn under CUDA-graph replay; plain do_bench where capture fails."""
+def _time_us(fn, graph: bool = True) -> tuple[float, str]:
+    """Median microseconds of fn under CUDA-graph replay; plain do_bench where capture fails or ``graph`` is
+    False (the prefill path plans on the host, and under capture would take the decode kernels instead)."""
     from triton.testing import do_bench, do_bench_cudagraph
 
     fn()
     torch.cuda.synchronize()
+    if not graph:
+        return do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e3, "do_bench"
     try:
         return do_bench_cudagraph(fn, rep=100, return_mode="median") * 1e3, "cudagraph"
     except Exception:  # a baseline that cannot be captured still gets a number
@@ -202,6 +206,49 @@ def _write_case(records, T, presets, vllm):
             _record(records, op="kv_write", B=1, L=T, impl="vllm_tq", preset=name, error=str(exc)[:300])
 
 
+def _prefill_case(records, B, L, presets, vllm):
+    """Attention of B whole prompts of L tokens (a prefill step), all rows new: tqkv's dense path (the slots
+    decoded once, then flash SDPA), the same with the codec's PyTorch decode, and FA3 on the raw bf16 keys and
+    values, which is what vLLM's bf16 cache and its TurboQuant backend both run for a first chunk."""
+    import tqkv_compile
+    from tqkv_compile.backends import prefill
+
+    dev = "cuda"
+    T, nb = B * L, L // BS
+    q = torch.randn(T, HQ, D, dtype=torch.bfloat16, device=dev)
+    k, v = torch.randn(T, HK, D, dtype=torch.bfloat16, device=dev), torch.randn(T, HK, D, dtype=torch.bfloat16, device=dev)
+    seq_lens = torch.full((B,), L, dtype=torch.int32, device=dev)
+    qsl = torch.arange(0, T + 1, L, dtype=torch.int32, device=dev)
+    bt = torch.randperm(B * nb, device=dev).to(torch.int32).view(B, nb)
+    scale = D**-0.5
+    if vllm is not None:
+        fa = lambda: vllm["fa"](q=q, k=k, v=v, max_seqlen_q=L, cu_seqlens_q=qsl, max_seqlen_k=L,  # noqa: E731
+                                cu_seqlens_k=qsl, softmax_scale=scale, causal=True, fa_version=3)
+        try:
+            us, how = _time_us(fa, graph=False)
+            _record(records, op="prefill", B=B, L=L, impl="fa3_bf16", preset="bf16", us=round(us, 1), timing=how)
+        except Exception as exc:  # noqa: BLE001
+            _record(records, op="prefill", B=B, L=L, impl="fa3_bf16", preset="bf16", error=str(exc)[:300])
+    backend = tqkv_compile.get_backend("triton")
+    pos = torch.arange(L, device=dev)
+    slots = (bt.long()[:, pos // BS] * BS + pos % BS).reshape(-1)
+    starts = qsl.tolist()
+    for name in presets:
+        p = tqkv_compile.get_preset(name, D)
+        cache = torch.zeros(B * nb, BS, HK, p.slot_bytes, dtype=torch.uint8, device=dev)
+        backend.kv_write(k, v, cache, slots, p)
+        out = torch.empty_like(q)
+        runs = {"tqkv": lambda: backend.attention(q, cache, bt, seq_lens, qsl, scale, p),  # noqa: E731
+                "tqkv_codec_decode": lambda: prefill.dense_attention(  # noqa: E731
+                    q, cache, bt, seq_lens, starts, scale, p, list(range(B)), out)}
+        for impl, fn in runs.items():
+            try:
+                us, how = _time_us(fn, graph=False)
+                _record(records, op="prefill", B=B, L=L, impl=impl, preset=name, us=round(us, 1), timing=how)
+            except Exception as exc:  # noqa: BLE001
+                _record(records, op="prefill", B=B, L=L, impl=impl, preset=name, error=str(exc)[:300])
+
+
 def check(presets: list[str], dims: list[int]) -> int:
     """Triton backend vs the reference on this GPU: kv_write bytes, attention and kv_dot, every preset and
     head size, GQA groups 1/3/4, bf16 and fp16, decode and mixed batches, a strided cache view."""
@@ -323,6 +370,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cases", default=",".join(f"{b}x{l}" for b, l in CASES),
                         help="comma-separated BATCHxCONTEXT decode cases")
     parser.add_argument("--write-tokens", default=",".join(map(str, WRITE_TOKENS)), help="kv_write token counts")
+    parser.add_argument("--prefill", default="",
+                        help="comma-separated BATCHxPROMPT prefill cases (whole prompts; default: none)")
     parser.add_argument("--no-baselines", action="store_true", help="time tqkv only")
     parser.add_argument("--tune", action="store_true", help="time a grid of tqkv decode kernel configurations")
     parser.add_argument("--variants", help="with --tune: a JSON list of decode_attention keyword dicts")
@@ -344,6 +393,9 @@ def main(argv: list[str] | None = None) -> int:
     for B, L in cases:
         _decode_case(records, B, L, presets, vllm, args.tune,
                      json.loads(args.variants) if args.variants else None, cache_tokens=args.cache_tokens)
+    for c in (c for c in args.prefill.split(",") if c):
+        B, L = (int(x) for x in c.split("x"))
+        _prefill_case(records, B, L, presets, vllm)
     if not args.tune:
         for T in (int(t) for t in args.write_tokens.split(",") if t):
             _write_case(records, T, presets, vllm)

@@ -1,11 +1,17 @@
-"""Attention for sequences with many new tokens (prefill, long prefill chunks): the sequence's slots decoded
-with the codec, then one fused SDPA call (flash / memory-efficient on CUDA) with a lower-right causal mask.
+"""Attention for sequences with many new tokens (prefill, long prefill chunks): the sequences' slots decoded
+once into dense keys and values, then SDPA (flash on CUDA) per sequence.
 
 The decode kernels serve any number of new tokens, but each query row re-reads the whole context: at a
 4096-token prompt that is 4096 passes over the cache per layer, hours for a batch of long prompts. Decoding
 the context once (O(context)) and handing it to a tensor-core attention kernel is what vLLM's own TurboQuant
 backend does for continuation chunks too. The semantics stay the ops' (every key and value read through the
 codec, as decode reads them); the decoded keys and values are rounded to the query dtype for SDPA.
+
+The decode is one call for all the batch's dense sequences: the codec in PyTorch (:func:`codec_decode`, any
+preset) or the Triton backend's kernel (``triton_dequant``, vLLM's layouts). A whole prompt (the usual
+prefill) takes flash attention with GQA and a plain causal mask, reading each kv head once for its query
+group; a continuation chunk needs a lower-right causal mask, which takes the memory-efficient kernel, which has
+no GQA, so its keys and values are repeated per query head.
 
 Planning needs the per-sequence token counts on the host (one sync), so the split is only looked at when the
 batch has more query rows than sequences, which never happens in a pure decode step.
@@ -16,7 +22,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from tqkv_compile.backends.reference import decoded_keys_values, rotated_query
+from tqkv_compile.backends.reference import decoded_slots
 from tqkv_compile.codec import Preset
 
 #: sequences with more new tokens than this take the dense path (vLLM 0.20's continuation threshold too)
@@ -36,23 +42,51 @@ def plan(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, rows: int) -> tu
     return (starts, dense) if dense else None
 
 
+def slot_ids(block_table: torch.Tensor, seqs: list[int], lengths: list[int], block_size: int) -> torch.Tensor:
+    """int64 [sum of lengths]: the flat cache slots (``block * block_size + position``) of positions
+    0..length-1 of each sequence in ``seqs``, one sequence after another."""
+    parts = []
+    for b in seqs:
+        pos = torch.arange(lengths[b], device=block_table.device)
+        parts.append(block_table[b].to(torch.int64)[pos // block_size] * block_size + pos % block_size)
+    return torch.cat(parts)
+
+
+def codec_decode(kv_cache: torch.Tensor, slots: torch.Tensor, preset: Preset,
+                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(keys, values) ``dtype`` [T, Hk, D] of the flat cache slots ``slots`` through the codec (PyTorch; any
+    preset, any device): keys in the stored basis times their norm, values in the original basis."""
+    block_size = kv_cache.shape[1]
+    keys, values = decoded_slots(kv_cache[slots // block_size, slots % block_size], preset)
+    return keys.to(dtype), values.to(dtype)
+
+
 def dense_attention(query, kv_cache, block_table, seq_lens, starts: list[int], scale: float, preset: Preset,
-                    seqs: list[int], out: torch.Tensor) -> None:
+                    seqs: list[int], out: torch.Tensor, decode=codec_decode) -> None:
     """Writes the attention of sequences ``seqs`` (their rows of ``query``, from ``starts``: query_start_loc on
-    the host) into ``out``."""
+    the host) into ``out``. ``decode(kv_cache, slots, preset, dtype)`` turns flat cache slots into dense keys
+    and values (:func:`codec_decode`, or a kernel with its contract); it runs once for all of ``seqs``."""
     lengths = seq_lens.tolist()
-    group = query.shape[1] // kv_cache.shape[2]
+    kv_heads = kv_cache.shape[2]
+    keys, values = decode(kv_cache, slot_ids(block_table, seqs, lengths, kv_cache.shape[1]), preset, query.dtype)
+    rotation = None if preset.key_fp8 else preset.rotation(query.device)
+    at = 0
     for b in seqs:
         start, end, length = starts[b], starts[b + 1], lengths[b]
         new = end - start
-        keys, values = decoded_keys_values(kv_cache, block_table[b], length, preset)  # [L, Hk, D], stored basis
-        q = rotated_query(query[start:end], preset).to(query.dtype).transpose(0, 1).unsqueeze(0)  # [1, Hq, new, D]
-        k = keys.to(query.dtype).transpose(0, 1).repeat_interleave(group, 0).unsqueeze(0)  # [1, Hq, L, D]
-        v = values.to(query.dtype).transpose(0, 1).repeat_interleave(group, 0).unsqueeze(0)
-        if new == length:
-            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+        q = query[start:end]
+        if rotation is not None:
+            q = (q.float() @ rotation).to(query.dtype)
+        q = q.transpose(0, 1).unsqueeze(0)  # [1, Hq, new, D], stored basis
+        k = keys[at : at + length].transpose(0, 1).unsqueeze(0)  # [1, Hk, L, D]
+        v = values[at : at + length].transpose(0, 1).unsqueeze(0)
+        at += length
+        if new == length:  # flash attention reads the kv head of each query head group itself
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
         else:  # the new tokens are the last `new` of `length`: causal aligned bottom-right
             from torch.nn.attention.bias import causal_lower_right
 
+            group = query.shape[1] // kv_heads  # the lower-right mask takes the memory-efficient kernel: no GQA
+            k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(new, length), scale=scale)
         out[start:end] = o[0].transpose(0, 1).to(out.dtype)

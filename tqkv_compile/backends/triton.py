@@ -120,8 +120,19 @@ class TritonBackend:
                 sub = self.decode_kernels(query[index], kv_cache, block_table[picked], seq_lens[picked],
                                              counts.to(query_start_loc.device, query_start_loc.dtype), scale, preset)
                 out[index] = sub
-        prefill.dense_attention(query, kv_cache, block_table, seq_lens, starts, scale, preset, dense, out)
+        prefill.dense_attention(query, kv_cache, block_table, seq_lens, starts, scale, preset, dense, out,
+                                decode=self.dense_decode)
         return out
+
+    def dense_decode(self, kv_cache, slots, preset: Preset, dtype: torch.dtype):
+        """The prefill path's keys and values (``prefill.dense_attention``'s ``decode``): one Triton kernel for
+        vLLM's layouts, the codec in PyTorch for presets of ours."""
+        from tqkv_compile.lowerings import triton_dequant
+
+        if not triton_dequant.supports(preset):
+            return prefill.codec_decode(kv_cache, slots, preset, dtype)
+        _, centroids, _ = self.tables(preset, kv_cache.device)
+        return triton_dequant.decode_slots(kv_cache, slots, preset, centroids, dtype)
 
     def decode_kernels(self, query, kv_cache, block_table, seq_lens, query_start_loc, scale, preset: Preset):
         """The decode kernels alone for every row (no prefill plan): vLLM's presets on
