@@ -132,11 +132,11 @@ prefill)
     ;;
 tune)
     # the stream kernel's launch knobs again, after the instruction cuts (TUNE_VARIANTS: a JSON list)
-    step "stream kernel launch knobs: 4bit_nc and k8v4 at 64x32768 and 1x32768"
+    step "stream kernel launch knobs: 4bit_nc and k8v4 at ${TUNE_CASES:-64x32768,1x32768}"
     knobs='[{}, {"block_n": 32}, {"block_n": 128}, {"num_warps": 8}, {"block_n": 128, "num_warps": 8},
             {"maxnreg": 128}, {"maxnreg": 255}, {"num_stages": 2}]'
     timeout ${TUNE_TIMEOUT:-200} python3 -m tqkv_compile.bench_kernels --tune --presets turboquant_4bit_nc,turboquant_k8v4 \
-        --cases 64x32768,1x32768 --out "$OUT/h200-tune.json" --variants "${TUNE_VARIANTS:-$knobs}" > "$OUT/tune.log" 2>&1
+        --cases ${TUNE_CASES:-64x32768,1x32768} --out "$OUT/h200-tune.json" --variants "${TUNE_VARIANTS:-$knobs}" > "$OUT/tune.log" 2>&1
     python3 -c "import json, sys
 for r in json.load(open(sys.argv[1]))[1:]: print(r['preset'], f\"{r['B']}x{r['L']}\", r.get('us', r.get('error', '')[:80]), r['variant'])" \
         "$OUT/h200-tune.json" || tail -5 "$OUT/tune.log"

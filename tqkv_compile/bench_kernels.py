@@ -208,8 +208,9 @@ def _write_case(records, T, presets, vllm):
 
 def _prefill_case(records, B, L, presets, vllm):
     """Attention of B whole prompts of L tokens (a prefill step), all rows new: tqkv's dense path (the slots
-    decoded once, then flash SDPA), the same with the codec's PyTorch decode, and FA3 on the raw bf16 keys and
-    values, which is what vLLM's bf16 cache and its TurboQuant backend both run for a first chunk."""
+    decoded once by a Triton kernel, then FlashAttention varlen), the same with torch's SDPA per sequence
+    instead (``tqkv_sdpa``: the path where vLLM brings no FlashAttention), and FA3 on the raw bf16 keys and
+    values: the floor, what a bf16 cache's first chunk runs (vLLM's TurboQuant backend runs the same on FA2)."""
     import tqkv_compile
     from tqkv_compile.backends import prefill
 
@@ -239,8 +240,8 @@ def _prefill_case(records, B, L, presets, vllm):
         backend.kv_write(k, v, cache, slots, p)
         out = torch.empty_like(q)
         runs = {"tqkv": lambda: backend.attention(q, cache, bt, seq_lens, qsl, scale, p),  # noqa: E731
-                "tqkv_codec_decode": lambda: prefill.dense_attention(  # noqa: E731
-                    q, cache, bt, seq_lens, starts, scale, p, list(range(B)), out)}
+                "tqkv_sdpa": lambda: prefill.dense_attention(  # noqa: E731
+                    q, cache, bt, seq_lens, starts, scale, p, list(range(B)), out, decode=backend.dense_decode)}
         for impl, fn in runs.items():
             try:
                 us, how = _time_us(fn, graph=False)
@@ -251,7 +252,8 @@ def _prefill_case(records, B, L, presets, vllm):
 
 def check(presets: list[str], dims: list[int]) -> int:
     """Triton backend vs the reference on this GPU: kv_write bytes, attention and kv_dot, every preset and
-    head size, GQA groups 1/3/4, bf16 and fp16, decode and mixed batches, a strided cache view."""
+    head size, GQA groups 1/3/4, bf16 and fp16, decode and mixed batches, prefill (the dense path), a strided
+    cache view."""
     import tqkv_compile
 
     torch.manual_seed(0)
@@ -261,7 +263,8 @@ def check(presets: list[str], dims: list[int]) -> int:
     failures = 0
     configs = [(4, torch.bfloat16, [1] * 6, [1, 17, 300, 1000, 2049, 64]),
                (3, torch.float16, [5, 1, 33, 2], [5, 700, 100, 1500]),
-               (1, torch.bfloat16, [1, 1], [4000, 9])]
+               (1, torch.bfloat16, [1, 1], [4000, 9]),
+               (4, torch.bfloat16, [1, 300, 200], [50, 300, 700])]  # prefill: a whole prompt, a continuation
     for n, (name, dim) in enumerate((name, dim) for name in presets for dim in dims):
         p = tqkv_compile.get_preset(name, dim)
         group, dtype, news, lens = configs[n % len(configs)]

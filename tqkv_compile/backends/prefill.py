@@ -8,16 +8,19 @@ backend does for continuation chunks too. The semantics stay the ops' (every key
 codec, as decode reads them); the decoded keys and values are rounded to the query dtype for SDPA.
 
 The decode is one call for all the batch's dense sequences: the codec in PyTorch (:func:`codec_decode`, any
-preset) or the Triton backend's kernel (``triton_dequant``, vLLM's layouts). A whole prompt (the usual
-prefill) takes flash attention with GQA and a plain causal mask, reading each kv head once for its query
-group; a continuation chunk needs a lower-right causal mask, which takes the memory-efficient kernel, which has
-no GQA, so its keys and values are repeated per query head.
+preset) or the Triton backend's kernel (``triton_dequant``, vLLM's layouts). Attention: where vLLM brings
+FlashAttention (CUDA), one varlen call for all of them (GQA, causal aligned bottom-right for continuation
+chunks; FA3 on Hopper); else SDPA per sequence, a whole
+prompt with GQA and a plain causal mask, a continuation chunk with a lower-right mask, which takes the
+memory-efficient kernel, which has no GQA, so its keys and values are repeated per query head.
 
 Planning needs the per-sequence token counts on the host (one sync), so the split is only looked at when the
 batch has more query rows than sequences, which never happens in a pure decode step.
 """
 
 from __future__ import annotations
+
+import itertools
 
 import torch
 import torch.nn.functional as F
@@ -62,22 +65,37 @@ def codec_decode(kv_cache: torch.Tensor, slots: torch.Tensor, preset: Preset,
 
 
 def dense_attention(query, kv_cache, block_table, seq_lens, starts: list[int], scale: float, preset: Preset,
-                    seqs: list[int], out: torch.Tensor, decode=codec_decode) -> None:
+                    seqs: list[int], out: torch.Tensor, decode=codec_decode, varlen=None) -> None:
     """Writes the attention of sequences ``seqs`` (their rows of ``query``, from ``starts``: query_start_loc on
     the host) into ``out``. ``decode(kv_cache, slots, preset, dtype)`` turns flat cache slots into dense keys
-    and values (:func:`codec_decode`, or a kernel with its contract); it runs once for all of ``seqs``."""
+    and values (:func:`codec_decode`, or a kernel with its contract); it runs once for all of ``seqs``.
+    ``varlen``: a FlashAttention ``flash_attn_varlen_func`` (``tqkv_compile.vllm.adapter.flash_attn_varlen``),
+    which then attends every sequence in one call; without it, SDPA per sequence."""
     lengths = seq_lens.tolist()
-    kv_heads = kv_cache.shape[2]
     keys, values = decode(kv_cache, slot_ids(block_table, seqs, lengths, kv_cache.shape[1]), preset, query.dtype)
     rotation = None if preset.key_fp8 else preset.rotation(query.device)
+
+    def stored_basis(q):
+        return q if rotation is None else (q.float() @ rotation).to(q.dtype)
+
+    if varlen is not None:
+        news = [starts[b + 1] - starts[b] for b in seqs]
+        if seqs == list(range(seqs[0], seqs[-1] + 1)):  # contiguous rows (vLLM puts prefills last)
+            rows = slice(starts[seqs[0]], starts[seqs[-1] + 1])
+        else:
+            rows = torch.cat([torch.arange(starts[b], starts[b + 1]) for b in seqs]).to(query.device)
+        cu = [torch.tensor([0, *itertools.accumulate(n)], dtype=torch.int32, device=query.device)
+              for n in (news, [lengths[b] for b in seqs])]
+        out[rows] = varlen(q=stored_basis(query[rows]), k=keys, v=values, cu_seqlens_q=cu[0], cu_seqlens_k=cu[1],
+                           max_seqlen_q=max(news), max_seqlen_k=max(lengths[b] for b in seqs),
+                           softmax_scale=scale, causal=True).to(out.dtype)  # causal: aligned bottom-right
+        return
+    kv_heads = kv_cache.shape[2]
     at = 0
     for b in seqs:
         start, end, length = starts[b], starts[b + 1], lengths[b]
         new = end - start
-        q = query[start:end]
-        if rotation is not None:
-            q = (q.float() @ rotation).to(query.dtype)
-        q = q.transpose(0, 1).unsqueeze(0)  # [1, Hq, new, D], stored basis
+        q = stored_basis(query[start:end]).transpose(0, 1).unsqueeze(0)  # [1, Hq, new, D]
         k = keys[at : at + length].transpose(0, 1).unsqueeze(0)  # [1, Hk, L, D]
         v = values[at : at + length].transpose(0, 1).unsqueeze(0)
         at += length

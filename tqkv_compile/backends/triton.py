@@ -27,6 +27,15 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
+def _flash_varlen(device: torch.device):
+    """vLLM's FlashAttention varlen function on CUDA where vLLM brings one (the adapter), else None."""
+    if device.type != "cuda":
+        return None
+    from tqkv_compile.vllm import adapter
+
+    return adapter.flash_attn_varlen()
+
+
 class TritonBackend:
     name = "triton"
 
@@ -121,7 +130,7 @@ class TritonBackend:
                                              counts.to(query_start_loc.device, query_start_loc.dtype), scale, preset)
                 out[index] = sub
         prefill.dense_attention(query, kv_cache, block_table, seq_lens, starts, scale, preset, dense, out,
-                                decode=self.dense_decode)
+                                decode=self.dense_decode, varlen=_flash_varlen(query.device))
         return out
 
     def dense_decode(self, kv_cache, slots, preset: Preset, dtype: torch.dtype):

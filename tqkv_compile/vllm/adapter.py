@@ -189,6 +189,23 @@ def override_attention_backend() -> None:
         register_backend(AttentionBackendEnum.CPU_ATTN, "tqkv_compile.vllm.cpu_backend.TqkvCPUAttentionBackend")
 
 
+@functools.cache
+def flash_attn_varlen():
+    """vLLM's ``flash_attn_varlen_func`` at FlashAttention 3 where this GPU runs it (Hopper), else 2, or None
+    where there is none (CPU builds, no vLLM). The prefill path hands it dense keys and values: variable-length
+    sequences, GQA, and a causal mask aligned bottom-right (continuation chunks) in one call. Not vLLM's pick:
+    0.20 forces FA2 on every layer when the cache is TurboQuant ("not yet compatible with FlashAttention >= 3",
+    its own kernels' reason), and its FA2 library has no sm_90 code; dense bf16 keys and values need neither."""
+    try:
+        from vllm.vllm_flash_attn import flash_attn_varlen_func
+        from vllm.vllm_flash_attn.flash_attn_interface import is_fa_version_supported
+
+        version = next((v for v in (3, 2) if is_fa_version_supported(v)), None)
+    except Exception:  # noqa: BLE001 (any import or probe failure: no FlashAttention here)
+        return None
+    return None if version is None else functools.partial(flash_attn_varlen_func, fa_version=version)
+
+
 def register_layer_name_op(name: str, func, fake, mutates_args: list[str], cudagraph_unsafe: bool = False) -> None:
     """Define ``tqkv::<name>`` with the schema vLLM infers for ``func`` (so LayerName args match vLLM's ops).
     ``cudagraph_unsafe``: on CUDA, tag it so that Inductor's graph partition keeps it out of CUDA graphs."""
