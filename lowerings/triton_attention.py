@@ -882,8 +882,12 @@ def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: t
     interpret = query.device.type == "cpu"
     if kernel is None:
         kernel = default_kernel(preset, rows * kv_heads, kv_cache, query.device)
+    max_len = block_table.shape[1] * kv_cache.shape[1]
     if block_n is None:  # the H200 sweeps' best (bench/results/h200-kernels-notes.md)
         block_n = 16 if interpret else (32 if kernel == "bytes" else 64)
+        if not interpret and kernel == "stream" and preset.key_fp8 and rows * kv_heads * min(64, max_len // 512) >= 2 * _sm_count(
+                query.device):  # fp8 keys: 128-position tiles where they still fill the GPU twice (7-11% faster)
+            block_n = 128
     # stream kernel: no hand prefetch by default (measured: the registers it holds cost more than it hides),
     # registers capped on the GPU: 3 (4-bit keys) / 4 (fp8 keys) CTAs per SM without spills
     if kernel == "stream" and not interpret:
@@ -892,7 +896,6 @@ def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: t
         nc_dot = kernel == "stream"
     if num_stages is None and kernel == "words" and preset.key_bits == 4:
         num_stages = 3
-    max_len = block_table.shape[1] * kv_cache.shape[1]
     if splits is None:
         splits = num_splits(rows, kv_heads, max_len, query.device, block_n)
     part_out = torch.empty(rows, heads, splits, dim, dtype=torch.float32, device=query.device)

@@ -186,6 +186,59 @@ def test_long_new_token_runs_take_the_dense_path_and_match_reference(preset_name
     torch.testing.assert_close(out.float(), expected.float(), **_tolerance(torch.bfloat16))
 
 
+def _varlen_by_sdpa(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, out):
+    """FlashAttention's varlen contract (GQA, causal aligned bottom-right, ``out`` written when given), from
+    plain SDPA per sequence with an explicit mask: the CPU stand-in for vLLM's function."""
+    assert causal and q.shape[1] % k.shape[1] == 0 and k.shape == v.shape
+    result = torch.empty_like(q) if out is None else out
+    cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    assert max_seqlen_q == max(b - a for a, b in zip(cq, cq[1:])) and max_seqlen_k == max(b - a for a, b in zip(ck, ck[1:]))
+    for i in range(len(cq) - 1):
+        qs, ks = q[cq[i] : cq[i + 1]].transpose(0, 1), k[ck[i] : ck[i + 1]].transpose(0, 1)
+        group = q.shape[1] // k.shape[1]
+        new, length = qs.shape[1], ks.shape[1]
+        keep = torch.arange(length)[None, :] <= torch.arange(length - new, length)[:, None]
+        o = torch.nn.functional.scaled_dot_product_attention(
+            qs.float(), ks.repeat_interleave(group, 0).float(),
+            v[ck[i] : ck[i + 1]].transpose(0, 1).repeat_interleave(group, 0).float(), attn_mask=keep,
+            scale=softmax_scale)
+        result[cq[i] : cq[i + 1]] = o.transpose(0, 1).to(result.dtype)
+    return result
+
+
+@pytest.mark.parametrize("preset_name", ["turboquant_4bit_nc", "turboquant_k8v4"])
+@pytest.mark.parametrize("dense", [[1, 3], [2, 3]])
+def test_dense_path_in_one_varlen_call_matches_reference(preset_name, dense):
+    """With a FlashAttention varlen function (vLLM's on CUDA) the dense sequences go in one call: rows gathered
+    (or one slice when contiguous, written in place), cumulative lengths, the query in the stored basis with its
+    scale (bf16: the signs GEMM), causal aligned bottom-right for a continuation chunk."""
+    from tqkv_compile.backends import prefill
+
+    preset = get_preset(preset_name, 64)
+    new, lengths = [1, 140, 1, 150], [30, 140, 45, 200]
+    if dense == [2, 3]:
+        new, lengths = [1, 1, 140, 150], [30, 45, 140, 200]
+    cache, table, seq_lens = _filled_cache(preset, lengths, seed=3)
+    starts = [0, *torch.tensor(new).cumsum(0).tolist()]
+    query = torch.randn(starts[-1], KV_HEADS * 4, 64, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    scale = 64**-0.5
+    calls = []
+
+    def varlen(**kw):
+        calls.append(kw["out"] is not None)
+        return _varlen_by_sdpa(**kw)
+
+    out = torch.zeros_like(query)
+    prefill.dense_attention(query, cache, table, lengths, starts, scale, preset, dense, out, varlen=varlen)
+    expected = get_backend("reference").attention(query, cache, table, seq_lens, torch.tensor(starts), scale, preset)
+    rows = torch.cat([torch.arange(starts[b], starts[b + 1]) for b in dense])
+    assert calls == [dense == [2, 3]]
+    torch.testing.assert_close(out[rows].float(), expected[rows].float(), **_tolerance(torch.bfloat16))
+    others = torch.ones(out.shape[0], dtype=torch.bool)
+    others[rows] = False
+    assert not out[others].any()  # the other sequences' rows are left alone
+
+
 @pytest.mark.parametrize("dim", HEAD_DIMS)
 @pytest.mark.parametrize("preset_name", PRESETS)
 def test_dequant_kernel_equals_the_codec_decode(preset_name, dim):

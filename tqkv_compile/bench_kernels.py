@@ -241,7 +241,7 @@ def _prefill_case(records, B, L, presets, vllm):
         out = torch.empty_like(q)
         runs = {"tqkv": lambda: backend.attention(q, cache, bt, seq_lens, qsl, scale, p),  # noqa: E731
                 "tqkv_sdpa": lambda: prefill.dense_attention(  # noqa: E731
-                    q, cache, bt, seq_lens, starts, scale, p, list(range(B)), out, decode=backend.dense_decode)}
+                    q, cache, bt, [L] * B, starts, scale, p, list(range(B)), out, decode=backend.dense_decode)}
         for impl, fn in runs.items():
             try:
                 us, how = _time_us(fn, graph=False)

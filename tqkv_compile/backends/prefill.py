@@ -21,6 +21,7 @@ batch has more query rows than sequences, which never happens in a pure decode s
 from __future__ import annotations
 
 import itertools
+import math
 
 import torch
 import torch.nn.functional as F
@@ -32,27 +33,32 @@ from tqkv_compile.codec import Preset
 DENSE_MIN_NEW_TOKENS = 128
 
 
-def plan(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, rows: int) -> tuple[list[int], list[int]] | None:
-    """(query_start_loc on the host, the sequences with more than DENSE_MIN_NEW_TOKENS new tokens), or None when
-    there are none; None without a host sync when the batch cannot have any."""
+def plan(query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+         rows: int) -> tuple[list[int], list[int], list[int]] | None:
+    """(query_start_loc on the host, seq_lens on the host, the sequences with more than DENSE_MIN_NEW_TOKENS new
+    tokens) from one host read, or None when there are none; None without a host read when the batch cannot
+    have any."""
     num_seqs = seq_lens.shape[0]
     if rows <= num_seqs or rows <= DENSE_MIN_NEW_TOKENS:
         return None
     if query_start_loc.is_cuda and torch.cuda.is_current_stream_capturing():
         return None  # no host reads inside CUDA-graph capture; the kernels serve every row
-    starts = query_start_loc[: num_seqs + 1].tolist()
+    host = torch.cat([query_start_loc[: num_seqs + 1], seq_lens.to(query_start_loc.dtype)]).tolist()
+    starts, lengths = host[: num_seqs + 1], host[num_seqs + 1 :]
     dense = [b for b in range(num_seqs) if starts[b + 1] - starts[b] > DENSE_MIN_NEW_TOKENS]
-    return (starts, dense) if dense else None
+    return (starts, lengths, dense) if dense else None
 
 
 def slot_ids(block_table: torch.Tensor, seqs: list[int], lengths: list[int], block_size: int) -> torch.Tensor:
-    """int64 [sum of lengths]: the flat cache slots (``block * block_size + position``) of positions
-    0..length-1 of each sequence in ``seqs``, one sequence after another."""
-    parts = []
-    for b in seqs:
-        pos = torch.arange(lengths[b], device=block_table.device)
-        parts.append(block_table[b].to(torch.int64)[pos // block_size] * block_size + pos % block_size)
-    return torch.cat(parts)
+    """int64 [sum of lengths of seqs]: the flat cache slots (``block * block_size + position``) of positions
+    0..length-1 of each sequence in ``seqs``, one sequence after another (a few kernels, however many)."""
+    device = block_table.device
+    counts = [lengths[b] for b in seqs]
+    total = sum(counts)
+    n = torch.tensor(counts, device=device)
+    seq = torch.repeat_interleave(torch.tensor(seqs, device=device), n, output_size=total)
+    pos = torch.arange(total, device=device) - torch.repeat_interleave(n.cumsum(0) - n, n, output_size=total)
+    return block_table[seq, pos // block_size].to(torch.int64) * block_size + pos % block_size
 
 
 def codec_decode(kv_cache: torch.Tensor, slots: torch.Tensor, preset: Preset,
@@ -64,47 +70,67 @@ def codec_decode(kv_cache: torch.Tensor, slots: torch.Tensor, preset: Preset,
     return keys.to(dtype), values.to(dtype)
 
 
-def dense_attention(query, kv_cache, block_table, seq_lens, starts: list[int], scale: float, preset: Preset,
-                    seqs: list[int], out: torch.Tensor, decode=codec_decode, varlen=None) -> None:
-    """Writes the attention of sequences ``seqs`` (their rows of ``query``, from ``starts``: query_start_loc on
-    the host) into ``out``. ``decode(kv_cache, slots, preset, dtype)`` turns flat cache slots into dense keys
-    and values (:func:`codec_decode`, or a kernel with its contract); it runs once for all of ``seqs``.
-    ``varlen``: a FlashAttention ``flash_attn_varlen_func`` (``tqkv_compile.vllm.adapter.flash_attn_varlen``),
-    which then attends every sequence in one call; without it, SDPA per sequence."""
-    lengths = seq_lens.tolist()
+_SIGNS: dict[tuple[int, str], torch.Tensor] = {}
+
+
+def stored_basis(query: torch.Tensor, preset: Preset, scale: float) -> tuple[torch.Tensor, float]:
+    """(the query in the keys' stored basis, in its dtype; the softmax scale that goes with it). bf16: a GEMM
+    with the Hadamard matrix's signs (+-1, exact in bf16; fp32 accumulation, one rounding), its 1/sqrt(D)
+    moved into the scale: 16x fewer bytes moved than the fp32 product, on the tensor cores. Other dtypes: the
+    fp32 product (fp16 could overflow without the 1/sqrt(D))."""
+    if preset.key_fp8:
+        return query, scale
+    dim = preset.head_dim
+    if query.dtype != torch.bfloat16:
+        return (query.float() @ preset.rotation(query.device)).to(query.dtype), scale
+    key = (dim, str(query.device))
+    if key not in _SIGNS:
+        _SIGNS[key] = (preset.rotation(query.device) * math.sqrt(dim)).round().to(torch.bfloat16)
+    return query @ _SIGNS[key], scale / math.sqrt(dim)
+
+
+def dense_attention(query, kv_cache, block_table, lengths: list[int], starts: list[int], scale: float,
+                    preset: Preset, seqs: list[int], out: torch.Tensor, decode=codec_decode, varlen=None) -> None:
+    """Writes the attention of sequences ``seqs`` (their rows of ``query``, from ``starts`` and ``lengths``:
+    query_start_loc and seq_lens on the host) into ``out``. ``decode(kv_cache, slots, preset, dtype)`` turns
+    flat cache slots into dense keys and values (:func:`codec_decode`, or a kernel with its contract); it runs
+    once for all of ``seqs``. ``varlen``: a FlashAttention ``flash_attn_varlen_func``
+    (``tqkv_compile.vllm.adapter.flash_attn_varlen``), which then attends every sequence in one call; without
+    it, SDPA per sequence."""
     keys, values = decode(kv_cache, slot_ids(block_table, seqs, lengths, kv_cache.shape[1]), preset, query.dtype)
-    rotation = None if preset.key_fp8 else preset.rotation(query.device)
-
-    def stored_basis(q):
-        return q if rotation is None else (q.float() @ rotation).to(q.dtype)
-
     if varlen is not None:
         news = [starts[b + 1] - starts[b] for b in seqs]
-        if seqs == list(range(seqs[0], seqs[-1] + 1)):  # contiguous rows (vLLM puts prefills last)
+        contiguous = seqs == list(range(seqs[0], seqs[-1] + 1))  # vLLM puts prefills last: one slice of rows
+        if contiguous:
             rows = slice(starts[seqs[0]], starts[seqs[-1] + 1])
         else:
             rows = torch.cat([torch.arange(starts[b], starts[b + 1]) for b in seqs]).to(query.device)
+        q, q_scale = stored_basis(query[rows], preset, scale)
         cu = [torch.tensor([0, *itertools.accumulate(n)], dtype=torch.int32, device=query.device)
               for n in (news, [lengths[b] for b in seqs])]
-        out[rows] = varlen(q=stored_basis(query[rows]), k=keys, v=values, cu_seqlens_q=cu[0], cu_seqlens_k=cu[1],
-                           max_seqlen_q=max(news), max_seqlen_k=max(lengths[b] for b in seqs),
-                           softmax_scale=scale, causal=True).to(out.dtype)  # causal: aligned bottom-right
+        into = out[rows] if contiguous and out.dtype == query.dtype else None  # written in place
+        o = varlen(q=q, k=keys, v=values, cu_seqlens_q=cu[0], cu_seqlens_k=cu[1], max_seqlen_q=max(news),
+                   max_seqlen_k=max(lengths[b] for b in seqs), softmax_scale=q_scale, causal=True,  # bottom-right
+                   out=into)
+        if into is None:
+            out[rows] = o.to(out.dtype)
         return
     kv_heads = kv_cache.shape[2]
     at = 0
     for b in seqs:
         start, end, length = starts[b], starts[b + 1], lengths[b]
         new = end - start
-        q = stored_basis(query[start:end]).transpose(0, 1).unsqueeze(0)  # [1, Hq, new, D]
+        q, q_scale = stored_basis(query[start:end], preset, scale)
+        q = q.transpose(0, 1).unsqueeze(0)  # [1, Hq, new, D]
         k = keys[at : at + length].transpose(0, 1).unsqueeze(0)  # [1, Hk, L, D]
         v = values[at : at + length].transpose(0, 1).unsqueeze(0)
         at += length
         if new == length:  # flash attention reads the kv head of each query head group itself
-            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=q_scale, enable_gqa=True)
         else:  # the new tokens are the last `new` of `length`: causal aligned bottom-right
             from torch.nn.attention.bias import causal_lower_right
 
             group = query.shape[1] // kv_heads  # the lower-right mask takes the memory-efficient kernel: no GQA
             k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(new, length), scale=scale)
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(new, length), scale=q_scale)
         out[start:end] = o[0].transpose(0, 1).to(out.dtype)

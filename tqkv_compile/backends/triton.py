@@ -113,7 +113,7 @@ class TritonBackend:
         planned = prefill.plan(query_start_loc, seq_lens, query.shape[0])
         if planned is None:
             return self.decode_kernels(query, kv_cache, block_table, seq_lens, query_start_loc, scale, preset)
-        starts, dense = planned
+        starts, lengths, dense = planned
         out = torch.empty_like(query)
         short = sorted(set(range(seq_lens.shape[0])) - set(dense))
         if short:
@@ -129,7 +129,7 @@ class TritonBackend:
                 sub = self.decode_kernels(query[index], kv_cache, block_table[picked], seq_lens[picked],
                                              counts.to(query_start_loc.device, query_start_loc.dtype), scale, preset)
                 out[index] = sub
-        prefill.dense_attention(query, kv_cache, block_table, seq_lens, starts, scale, preset, dense, out,
+        prefill.dense_attention(query, kv_cache, block_table, lengths, starts, scale, preset, dense, out,
                                 decode=self.dense_decode, varlen=_flash_varlen(query.device))
         return out
 
