@@ -336,9 +336,13 @@ def plot(records: list[dict], path: str) -> None:
     configs = list(dict.fromkeys(r["config"] for r in rows))
     fig, axes = plt.subplots(1, len(cases), figsize=(5 * len(cases), 4), squeeze=False)
     for ax, case in zip(axes[0], cases):
-        values = [next((r["decode_tok_s"] for r in rows if r["config"] == c and (r["B"], r["P"], r["N"]) == case), 0)
-                  for c in configs]
-        ax.bar(range(len(configs)), values, color=[f"C{i}" for i in range(len(configs))])
+        values = [next((r["decode_tok_s"] for r in rows if r["config"] == c and (r["B"], r["P"], r["N"]) == case),
+                       None) for c in configs]
+        bars = ax.bar(range(len(configs)), [v or 0 for v in values], color=[f"C{i}" for i in range(len(configs))])
+        top = max(v or 0 for v in values)
+        for bar, v in zip(bars, values):  # the figure on each bar; a configuration without this case says so
+            ax.text(bar.get_x() + bar.get_width() / 2, (v or 0) + 0.01 * top, f"{v:g}" if v else "not run",
+                    ha="center", va="bottom", fontsize=8)
         ax.set_xticks(range(len(configs)), configs, rotation=30, ha="right", fontsize=8)
         ax.set_title(f"batch {case[0]}, prompt {case[1]}, {case[2]} new")
         ax.set_ylabel("decode tokens/s")
