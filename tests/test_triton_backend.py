@@ -186,6 +186,16 @@ def test_long_new_token_runs_take_the_dense_path_and_match_reference(preset_name
     torch.testing.assert_close(out.float(), expected.float(), **_tolerance(torch.bfloat16))
 
 
+@pytest.mark.parametrize("seqs,lengths", [([0, 1], [32, 32]), ([1, 2], [5, 17]), ([2, 0], [16, 3, 40]), ([1], [1, 48])])
+def test_slot_ids_are_each_positions_cache_slot(seqs, lengths):
+    from tqkv_compile.backends import prefill
+
+    lengths = lengths + [0] * (3 - len(lengths))
+    table = torch.randperm(40, generator=torch.Generator().manual_seed(1))[:12].view(3, 4).to(torch.int32)
+    expected = [int(table[b, p // BLOCK]) * BLOCK + p % BLOCK for b in seqs for p in range(lengths[b])]
+    assert prefill.slot_ids(table, seqs, lengths, BLOCK).tolist() == expected
+
+
 def _varlen_by_sdpa(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, out):
     """FlashAttention's varlen contract (GQA, causal aligned bottom-right, ``out`` written when given), from
     plain SDPA per sequence with an explicit mask: the CPU stand-in for vLLM's function."""
