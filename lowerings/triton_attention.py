@@ -885,8 +885,10 @@ def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: t
     max_len = block_table.shape[1] * kv_cache.shape[1]
     if block_n is None:  # the H200 sweeps' best (bench/results/h200-kernels-notes.md)
         block_n = 16 if interpret else (32 if kernel == "bytes" else 64)
-        if not interpret and kernel == "stream" and preset.key_fp8 and rows * kv_heads * min(64, max_len // 512) >= 2 * _sm_count(
-                query.device):  # fp8 keys: 128-position tiles where they still fill the GPU twice (7-11% faster)
+        # fp8 keys: 128-position tiles where they still fill the GPU twice (H200: 4-11% faster from 64x4096 up,
+        # 34% slower at 1x4096, where 64 stays; max_len is the table's width, so this is graph-stable)
+        programs = rows * kv_heads * min(64, max_len // 512)
+        if not interpret and kernel == "stream" and preset.key_fp8 and programs >= 2 * _sm_count(query.device):
             block_n = 128
     # stream kernel: no hand prefetch by default (measured: the registers it holds cost more than it hides),
     # registers capped on the GPU: 3 (4-bit keys) / 4 (fp8 keys) CTAs per SM without spills

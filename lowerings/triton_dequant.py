@@ -78,9 +78,12 @@ def decode_slots(kv_cache: torch.Tensor, slots: torch.Tensor, preset: Preset, ce
                  dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """(keys, values) ``dtype`` [T, Hk, D] of the cache slots ``slots`` (int [T], flat ``block * block_size +
     position``, each >= 0). Keys in the stored basis times their norm (fp8: as stored), values in
-    the original basis. kv_cache u8 [NB, BS, Hk, S] (any strides); centroids fp32 [2^key_bits] (unused for fp8
-    keys)."""
+    the original basis. kv_cache u8 [NB, BS, Hk, S] (any strides but the last, which must be 1: an fp16 field
+    is read as two adjacent bytes); centroids fp32 [2^key_bits] (unused for fp8 keys)."""
     require_vllm_layout(preset)
+    if kv_cache.stride(3) != 1:
+        raise ValueError(f"kv_cache: a slot's bytes must be adjacent (last stride 1), got strides {kv_cache.stride()}")
+    slots = slots.contiguous()
     tokens, heads, dim = slots.shape[0], kv_cache.shape[2], preset.head_dim
     keys = torch.empty(tokens, heads, dim, dtype=dtype, device=kv_cache.device)
     values = torch.empty_like(keys)

@@ -341,7 +341,7 @@ def plot(records: list[dict], path: str) -> None:
         bars = ax.bar(range(len(configs)), [v or 0 for v in values], color=[f"C{i}" for i in range(len(configs))])
         top = max(v or 0 for v in values)
         for bar, v in zip(bars, values):  # the figure on each bar; a configuration without this case says so
-            ax.text(bar.get_x() + bar.get_width() / 2, (v or 0) + 0.01 * top, f"{v:g}" if v else "not run",
+            ax.text(bar.get_x() + bar.get_width() / 2, (v or 0) + 0.01 * top, "not run" if v is None else f"{v:g}",
                     ha="center", va="bottom", fontsize=8)
         ax.set_xticks(range(len(configs)), configs, rotation=30, ha="right", fontsize=8)
         ax.set_title(f"batch {case[0]}, prompt {case[1]}, {case[2]} new")

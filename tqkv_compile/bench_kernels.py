@@ -252,59 +252,67 @@ def _prefill_case(records, B, L, presets, vllm):
 
 def check(presets: list[str], dims: list[int]) -> int:
     """Triton backend vs the reference on this GPU: kv_write bytes, attention and kv_dot, every preset and
-    head size, GQA groups 1/3/4, bf16 and fp16, decode and mixed batches, prefill (the dense path), a strided
-    cache view."""
+    head size, GQA groups 1/3/4, bf16 and fp16, decode and mixed batches, a strided cache view; and for every
+    preset and head size a prefill batch (a whole prompt and a continuation chunk beside a decode: the dense
+    path, FlashAttention where vLLM brings it), bf16 and fp16 in turn."""
     import tqkv_compile
 
     torch.manual_seed(0)
-    ref, tri = tqkv_compile.get_backend("reference"), tqkv_compile.get_backend("triton")
-    dev = "cuda"
-    worst = 0.0
-    failures = 0
     configs = [(4, torch.bfloat16, [1] * 6, [1, 17, 300, 1000, 2049, 64]),
                (3, torch.float16, [5, 1, 33, 2], [5, 700, 100, 1500]),
-               (1, torch.bfloat16, [1, 1], [4000, 9]),
-               (4, torch.bfloat16, [1, 300, 200], [50, 300, 700])]  # prefill: a whole prompt, a continuation
+               (1, torch.bfloat16, [1, 1], [4000, 9])]
+    failures, worst = 0, 0.0
     for n, (name, dim) in enumerate((name, dim) for name in presets for dim in dims):
         p = tqkv_compile.get_preset(name, dim)
-        group, dtype, news, lens = configs[n % len(configs)]
-        hk, bs = 2, 16
-        B = len(lens)
-        M = max(math.ceil(length / bs) for length in lens) + 2
-        nb = B * M + 5
-        base = torch.zeros(nb, hk, bs, 2 * dim + 6, dtype=torch.uint8, device=dev)
-        cache = base.permute(0, 2, 1, 3)[..., : p.slot_bytes]  # a strided view, like vLLM's CPU cache
-        cache_ref = torch.zeros(cache.shape, dtype=torch.uint8)  # the codec's bytes, computed on the CPU
-        bt = torch.randperm(nb, device=dev)[: B * M].view(B, M).to(torch.int32)
-        for b, L in enumerate(lens):
-            pos = torch.arange(L, device=dev)
-            slots = bt[b, pos // bs].long() * bs + pos % bs
-            k = (torch.randn(L, hk, dim, device=dev) * 3).to(dtype)
-            v = torch.randn(L, hk, dim, device=dev).to(dtype)
-            tri.kv_write(k, v, cache, slots, p)
-            ref.kv_write(k.cpu(), v.cpu(), cache_ref, slots.cpu(), p)
-        mism = int((cache.cpu() != cache_ref).sum())
-        total = sum(lens) * hk * p.slot_bytes
-        cache_ref = cache_ref.to(dev)
-        qsl = torch.tensor([0] + torch.tensor(news).cumsum(0).tolist(), dtype=torch.int32, device=dev)
-        sl = torch.tensor(lens, dtype=torch.int32, device=dev)
-        q = torch.randn(int(qsl[-1]), hk * group, dim, device=dev).to(dtype)
-        o = tri.attention(q, cache_ref, bt, sl, qsl, dim**-0.5, p).float()
-        r = ref.attention(q, cache_ref, bt, sl, qsl, dim**-0.5, p).float()
-        rel = float((o - r).norm() / r.norm())
-        err = float((o - r).abs().max())
-        qd = torch.randn(B, hk * group, dim, device=dev)
-        kd = tri.kv_dot(qd, cache_ref, bt, sl, dim**-0.5, p)
-        kr = ref.kv_dot(qd, cache_ref, bt, sl, dim**-0.5, p)
-        fin = torch.isfinite(kr)
-        dot_err = float((kd[fin] - kr[fin]).abs().max()) if torch.equal(fin, torch.isfinite(kd)) else math.inf
-        ok = mism <= max(2, total // 10000) and rel < 2e-2 and dot_err < 1e-3 and not math.isnan(rel)
-        failures += not ok
-        worst = max(worst, rel)
-        print(f"{'ok  ' if ok else 'FAIL'} {name:20s} D={dim:3d} G={group} {str(dtype)[6:]:8s} news={news} "
-              f"bytes_diff={mism}/{total} attn_max={err:.2e} attn_rel={rel:.2e} kv_dot={dot_err:.2e}", flush=True)
+        prefill = (4, (torch.bfloat16, torch.float16)[n % 2], [1, 300, 200], [50, 300, 700])
+        for config in (configs[n % len(configs)], prefill):
+            ok, rel = _check_case(p, *config)
+            failures += not ok
+            worst = max(worst, rel)
     print(f"check: {failures} failures, worst attention relative error {worst:.2e}", flush=True)
     return 1 if failures else 0
+
+
+def _check_case(p, group: int, dtype: torch.dtype, news: list[int], lens: list[int]) -> tuple[bool, float]:
+    """One batch of ``check``: (passed, attention relative error)."""
+    import tqkv_compile
+
+    ref, tri = tqkv_compile.get_backend("reference"), tqkv_compile.get_backend("triton")
+    dev, name, dim = "cuda", p.name, p.head_dim
+    hk, bs = 2, 16
+    B = len(lens)
+    M = max(math.ceil(length / bs) for length in lens) + 2
+    nb = B * M + 5
+    base = torch.zeros(nb, hk, bs, 2 * dim + 6, dtype=torch.uint8, device=dev)
+    cache = base.permute(0, 2, 1, 3)[..., : p.slot_bytes]  # a strided view, like vLLM's CPU cache
+    cache_ref = torch.zeros(cache.shape, dtype=torch.uint8)  # the codec's bytes, computed on the CPU
+    bt = torch.randperm(nb, device=dev)[: B * M].view(B, M).to(torch.int32)
+    for b, L in enumerate(lens):
+        pos = torch.arange(L, device=dev)
+        slots = bt[b, pos // bs].long() * bs + pos % bs
+        k = (torch.randn(L, hk, dim, device=dev) * 3).to(dtype)
+        v = torch.randn(L, hk, dim, device=dev).to(dtype)
+        tri.kv_write(k, v, cache, slots, p)
+        ref.kv_write(k.cpu(), v.cpu(), cache_ref, slots.cpu(), p)
+    mism = int((cache.cpu() != cache_ref).sum())
+    total = sum(lens) * hk * p.slot_bytes
+    cache_ref = cache_ref.to(dev)
+    qsl = torch.tensor([0] + torch.tensor(news).cumsum(0).tolist(), dtype=torch.int32, device=dev)
+    sl = torch.tensor(lens, dtype=torch.int32, device=dev)
+    q = torch.randn(int(qsl[-1]), hk * group, dim, device=dev).to(dtype)
+    o = tri.attention(q, cache_ref, bt, sl, qsl, dim**-0.5, p).float()
+    r = ref.attention(q, cache_ref, bt, sl, qsl, dim**-0.5, p).float()
+    rel = float((o - r).norm() / r.norm())
+    err = float((o - r).abs().max())
+    qd = torch.randn(B, hk * group, dim, device=dev)
+    kd = tri.kv_dot(qd, cache_ref, bt, sl, dim**-0.5, p)
+    kr = ref.kv_dot(qd, cache_ref, bt, sl, dim**-0.5, p)
+    fin = torch.isfinite(kr)
+    dot_err = float((kd[fin] - kr[fin]).abs().max()) if torch.equal(fin, torch.isfinite(kd)) else math.inf
+    ok = mism <= max(2, total // 10000) and rel < 2e-2 and dot_err < 1e-3 and not math.isnan(rel)
+    print(f"{'ok  ' if ok else 'FAIL'} {name:20s} D={dim:3d} G={group} {str(dtype)[6:]:8s} news={news} "
+          f"bytes_diff={mism}/{total} attn_max={err:.2e} attn_rel={rel:.2e} kv_dot={dot_err:.2e}", flush=True)
+    return ok, (rel if not math.isnan(rel) else math.inf)
 
 
 def _meta(argv) -> dict:

@@ -1,5 +1,5 @@
 """Attention for sequences with many new tokens (prefill, long prefill chunks): the sequences' slots decoded
-once into dense keys and values, then SDPA (flash on CUDA) per sequence.
+once into dense keys and values, then one FlashAttention varlen call (CUDA) or SDPA per sequence.
 
 The decode kernels serve any number of new tokens, but each query row re-reads the whole context: at a
 4096-token prompt that is 4096 passes over the cache per layer, hours for a batch of long prompts. Decoding
@@ -62,6 +62,9 @@ def slot_ids(block_table: torch.Tensor, seqs: list[int], lengths: list[int], blo
         rows = block_table[torch.tensor(seqs, device=device)]
     counts = [lengths[b] for b in seqs]
     blocks = -(-max(counts) // block_size)
+    if blocks > rows.shape[1]:
+        raise ValueError(f"seq_lens: a sequence of {max(counts)} positions needs {blocks} blocks, but the block "
+                         f"table has {rows.shape[1]} per sequence")
     every = (rows[:, :blocks].to(torch.int64)[:, :, None] * block_size
              + torch.arange(block_size, device=device)).reshape(len(seqs), blocks * block_size)
     if all(n == blocks * block_size for n in counts):
@@ -83,7 +86,7 @@ _SIGNS: dict[tuple[int, str], torch.Tensor] = {}
 
 def stored_basis(query: torch.Tensor, preset: Preset, scale: float) -> tuple[torch.Tensor, float]:
     """(the query in the keys' stored basis, in its dtype; the softmax scale that goes with it). bf16: a GEMM
-    with the Hadamard matrix's signs (+-1, exact in bf16; fp32 accumulation, one rounding), its 1/sqrt(D)
+    with the Hadamard matrix's signs (+-1, exact in bf16; cuBLAS accumulates in fp32), its 1/sqrt(D)
     moved into the scale: 16x fewer bytes moved than the fp32 product, on the tensor cores. Other dtypes: the
     fp32 product (fp16 could overflow without the 1/sqrt(D))."""
     if preset.key_fp8:

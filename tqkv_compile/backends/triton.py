@@ -27,9 +27,10 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def _flash_varlen(device: torch.device):
-    """vLLM's FlashAttention varlen function on CUDA where vLLM brings one (the adapter), else None."""
-    if device.type != "cuda":
+def _flash_varlen(query: torch.Tensor):
+    """vLLM's FlashAttention varlen function for this query where vLLM brings one (the adapter): CUDA, fp16 or
+    bf16 (FlashAttention takes no fp32); else None (the dense path then takes SDPA)."""
+    if query.device.type != "cuda" or query.dtype not in (torch.float16, torch.bfloat16):
         return None
     from tqkv_compile.vllm import adapter
 
@@ -130,7 +131,7 @@ class TritonBackend:
                                              counts.to(query_start_loc.device, query_start_loc.dtype), scale, preset)
                 out[index] = sub
         prefill.dense_attention(query, kv_cache, block_table, lengths, starts, scale, preset, dense, out,
-                                decode=self.dense_decode, varlen=_flash_varlen(query.device))
+                                decode=self.dense_decode, varlen=_flash_varlen(query))
         return out
 
     def dense_decode(self, kv_cache, slots, preset: Preset, dtype: torch.dtype):
