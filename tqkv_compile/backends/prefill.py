@@ -8,7 +8,7 @@ backend does for continuation chunks too. The semantics stay the ops' (every key
 codec, as decode reads them); the decoded keys and values are rounded to the query dtype for SDPA.
 
 The decode is one call for all the batch's dense sequences: the codec in PyTorch (:func:`codec_decode`, any
-preset) or the Triton backend's kernel (``triton_dequant``, vLLM's layouts). Attention: where vLLM brings
+preset) or the Triton backend's kernels (``triton_dequant`` for vLLM's layouts, ``triton_general`` for ours). Attention: where vLLM brings
 FlashAttention (CUDA), one varlen call for all of them (GQA, causal aligned bottom-right for continuation
 chunks; FA3 on Hopper); else SDPA per sequence, a whole
 prompt with GQA and a plain causal mask, a continuation chunk with a lower-right mask, which takes the

@@ -135,14 +135,17 @@ class TritonBackend:
         return out
 
     def dense_decode(self, kv_cache, slots, preset: Preset, dtype: torch.dtype):
-        """The prefill path's keys and values (``prefill.dense_attention``'s ``decode``): one Triton kernel for
-        vLLM's layouts, the codec in PyTorch for presets of ours."""
+        """The prefill path's keys and values (``prefill.dense_attention``'s ``decode``): one Triton kernel,
+        ``triton_dequant``'s for vLLM's layouts, ``triton_general``'s for presets of ours."""
         from tqkv_compile.lowerings import triton_dequant
 
-        if not triton_dequant.supports(preset):
-            return prefill.codec_decode(kv_cache, slots, preset, dtype)
-        _, centroids, _ = self.tables(preset, kv_cache.device)
-        return triton_dequant.decode_slots(kv_cache, slots, preset, centroids, dtype)
+        if triton_dequant.supports(preset):
+            _, centroids, _ = self.tables(preset, kv_cache.device)
+            return triton_dequant.decode_slots(kv_cache, slots, preset, centroids, dtype)
+        from tqkv_compile.lowerings import triton_general
+
+        rotation, centroids, _, offsets = self.general_tables(preset, kv_cache.device)
+        return triton_general.decode_slots(kv_cache, slots, preset, rotation, centroids, offsets, dtype)
 
     def decode_kernels(self, query, kv_cache, block_table, seq_lens, query_start_loc, scale, preset: Preset):
         """The decode kernels alone for every row (no prefill plan): vLLM's presets on
