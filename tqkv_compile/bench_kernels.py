@@ -9,7 +9,8 @@ way ``shared/gpu/baselines/decode_kernels_vllm020.py`` does.
     python -m tqkv_compile.bench_kernels --check      # Triton backend vs the reference on this GPU
 
 Writes a JSON list of records ``{"op", "B", "L", "impl", "preset", "us", "GBps"}`` (kv_write: ``L`` is the
-token count, ``B`` is 1; ``--prefill BxL``: op ``prefill``, B whole prompts of L tokens, no GBps) and one
+token count, ``B`` is 1; ``--prefill BxL``: op ``prefill``, B whole prompts of L tokens, no GBps; its ``vllm_tq`` record, FA2 on the
+raw keys and values, has preset ``raw_kv``: it is the same for every preset) and one
 ``{"meta": {...}}`` record.
 """
 
@@ -209,8 +210,9 @@ def _write_case(records, T, presets, vllm):
 def _prefill_case(records, B, L, presets, vllm):
     """Attention of B whole prompts of L tokens (a prefill step), all rows new: tqkv's dense path (the slots
     decoded once by a Triton kernel, then FlashAttention varlen), the same with torch's SDPA per sequence
-    instead (``tqkv_sdpa``: the path where vLLM brings no FlashAttention), and FA3 on the raw bf16 keys and
-    values: the floor, what a bf16 cache's first chunk runs (vLLM's TurboQuant backend runs the same on FA2)."""
+    instead (``tqkv_sdpa``: the path where vLLM brings no FlashAttention), FA3 on the raw bf16 keys and values
+    (the floor: a bf16 cache's first chunk) and FA2 on them (``vllm_tq``: vLLM's TurboQuant backend's first
+    chunk, which attends the raw keys and values, not the cache's)."""
     import tqkv_compile
     from tqkv_compile.backends import prefill
 
@@ -223,13 +225,17 @@ def _prefill_case(records, B, L, presets, vllm):
     bt = torch.randperm(B * nb, device=dev).to(torch.int32).view(B, nb)
     scale = D**-0.5
     if vllm is not None:
-        fa = lambda: vllm["fa"](q=q, k=k, v=v, max_seqlen_q=L, cu_seqlens_q=qsl, max_seqlen_k=L,  # noqa: E731
-                                cu_seqlens_k=qsl, softmax_scale=scale, causal=True, fa_version=3)
-        try:
-            us, how = _time_us(fa, graph=False)
-            _record(records, op="prefill", B=B, L=L, impl="fa3_bf16", preset="bf16", us=round(us, 1), timing=how)
-        except Exception as exc:  # noqa: BLE001
-            _record(records, op="prefill", B=B, L=L, impl="fa3_bf16", preset="bf16", error=str(exc)[:300])
+        # FA3: a bf16 cache's first chunk. FA2 on the same raw keys and values: what vLLM 0.20's TurboQuant
+        # backend runs for a first chunk (its _prefill_attention; the engine forces FA2 with a TurboQuant cache)
+        for impl, preset, version in (("fa3_bf16", "bf16", 3), ("vllm_tq", "raw_kv", 2)):
+            fa = lambda: vllm["fa"](q=q, k=k, v=v, max_seqlen_q=L, cu_seqlens_q=qsl,  # noqa: E731
+                                    max_seqlen_k=L, cu_seqlens_k=qsl, softmax_scale=scale, causal=True,
+                                    fa_version=version)
+            try:
+                us, how = _time_us(fa, graph=False)
+                _record(records, op="prefill", B=B, L=L, impl=impl, preset=preset, us=round(us, 1), timing=how)
+            except Exception as exc:  # noqa: BLE001
+                _record(records, op="prefill", B=B, L=L, impl=impl, preset=preset, error=str(exc)[:300])
     backend = tqkv_compile.get_backend("triton")
     pos = torch.arange(L, device=dev)
     slots = (bt.long()[:, pos // BS] * BS + pos % BS).reshape(-1)
@@ -426,7 +432,7 @@ def _summary(records: list[dict]) -> None:
     print("\nop       case        impl      preset               us      xFA3bf16  xvLLM-TQ")
     for (op, B, L, impl, preset), us in sorted(by.items(), key=lambda kv: (kv[0][0], kv[0][1] * kv[0][2], kv[0][3:])):
         fa = by.get((op, B, L, "fa3_bf16", "bf16"))
-        vt = by.get((op, B, L, "vllm_tq", preset))
+        vt = by.get((op, B, L, "vllm_tq", preset)) or by.get((op, B, L, "vllm_tq", "raw_kv"))  # prefill: any preset
         x_fa = f"{fa / us:8.2f}" if fa and impl == "tqkv" else " " * 8
         x_vt = f"{vt / us:8.2f}" if vt and impl == "tqkv" else " " * 8
         print(f"{op:8s} {B:4d}x{L:<6d} {impl:9s} {preset:18s} {us:9.1f}  {x_fa}  {x_vt}")
