@@ -9,8 +9,9 @@
 #                                                more bench options in E2E_ARGS)
 #   bash bench/h200_session.sh full              issue 4's table: bench kernels, every case, baselines, plot
 #   bash bench/h200_session.sh tune              the stream kernel's launch knobs (block_n, warps, maxnreg, stages)
-#   bash bench/h200_session.sh prefill           prefill attention (PREFILL_CASES): tqkv's dense path with the Triton
-#                                                decode and with the codec's, beside FA3 on raw bf16 K/V
+#   bash bench/h200_session.sh prefill           prefill attention (PREFILL_CASES, PREFILL_PRESETS): tqkv's dense
+#                                                path (FlashAttention / SDPA), beside FA3 and FA2 (vLLM TurboQuant's
+#                                                first chunk) on the raw bf16 K/V
 #   bash bench/h200_session.sh variants          decode kernels (4bit_nc, k8v4; VARIANT_PRESETS / VARIANT_CASES) and
 #                                                kv_write of each .variants/ tree (bench/make_variants.sh), beside
 #                                                FA3 and vLLM's, in one run: $OUT/h200-variants.json, $OUT/variants.log
@@ -125,8 +126,9 @@ full)
     tail -40 "$OUT/full.log" | grep -v '^{'
     ;;
 prefill)
-    step "prefill attention, whole prompts ${PREFILL_CASES:=4x4096,1x16384}: tqkv's dense path vs FA3 on raw bf16"
+    step "prefill attention, whole prompts ${PREFILL_CASES:=4x4096,1x16384}: tqkv's dense path vs FA3 / FA2 on raw K/V"
     timeout ${PREFILL_TIMEOUT:-200} python3 -m tqkv_compile.bench_kernels --cases "" --write-tokens "" \
+        --presets "${PREFILL_PRESETS:-turboquant_k8v4,turboquant_4bit_nc,turboquant_k3v4_nc,turboquant_3bit_nc}" \
         --prefill "$PREFILL_CASES" --out "$OUT/h200-prefill.json" > "$OUT/prefill.log" 2>&1
     grep -v '^{' "$OUT/prefill.log" | tail -16
     ;;

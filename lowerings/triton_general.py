@@ -14,9 +14,12 @@ fp8 value). These kernels read and write that layout in one generic way:
   for an outlier channel ``i``, ``q_i * (stored value - the rest's reconstruction at i)`` (the codec *replaces*
   that channel); values accumulate in the rotated basis and the merged output is rotated back once.
 - ``kv_dot``: the same scores, fp32.
+- ``decode_slots``: the prefill path's dense keys (rotated basis x norm, outlier put back) and values (rotated
+  back by a dot in 16-column chunks), as the codec decodes them.
 
 They are written for correctness and coverage (tests run them under ``TRITON_INTERPRET=1`` against the
-reference backend); they have not been tuned, or yet run, on a GPU.
+reference backend). On the H200 (2026-12-03) the write, attention and kv_dot kernels agree with the reference
+at heads 64 and 128, slowly (24-41 GB/s; untuned); ``decode_slots`` has not run on a GPU yet.
 """
 
 from __future__ import annotations
@@ -362,7 +365,7 @@ def _general_dequant_kernel(
         index = tl.load(cache_ptr + base + (KEY_CODE_BYTES + 2) * s_byte, mask=keep, other=0).to(tl.int32) & (D - 1)
         raw = tl.load(cache_ptr + base + (KEY_CODE_BYTES + 3) * s_byte, mask=keep, other=0)
         stored = raw.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-        column = tl.load(rot_ptr + d[None, :] * D + index[:, None])  # H[:, i] = H[i, :] (symmetric)
+        column = tl.load(rot_ptr + index[:, None] * D + d[None, :])  # row i of H (symmetric: its column i)
         keys += (stored - tl.sum(keys * column, axis=1))[:, None] * column
     tl.store(key_ptr + row[:, None] * D + d[None, :], keys.to(key_ptr.dtype.element_ty), mask=keep[:, None])
 
@@ -380,6 +383,8 @@ def decode_slots(kv_cache: torch.Tensor, slots: torch.Tensor, preset: Preset, ro
                  centroids: torch.Tensor, offsets: dict, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """As ``triton_dequant.decode_slots`` for a preset of ours (tables from :func:`tables`): keys in the stored
     basis times their norm, values in the original basis, ``dtype`` [T, Hk, D]."""
+    if kv_cache.stride(3) != 1:
+        raise ValueError(f"kv_cache: a slot's bytes must be adjacent (last stride 1), got strides {kv_cache.stride()}")
     tokens, heads, dim = slots.shape[0], kv_cache.shape[2], preset.head_dim
     keys = torch.empty(tokens, heads, dim, dtype=dtype, device=kv_cache.device)
     values = torch.empty_like(keys)
@@ -387,6 +392,9 @@ def decode_slots(kv_cache: torch.Tensor, slots: torch.Tensor, preset: Preset, ro
     if rows == 0:
         return keys, values
     block_m = 16  # the value rotation is a dot: at least 16 rows
+    # the rotation's precision: tf32 (~2^-11) is below bf16's rounding; tf32x3 (fp32-accurate) for fp16 / fp32,
+    # at a register cost (sm_90a, Triton 3.9: 255 registers + stack at head 128, 4 KB of stack at 256)
+    precision = "ieee" if kv_cache.device.type == "cpu" else ("tf32" if dtype == torch.bfloat16 else "tf32x3")
     _general_dequant_kernel[(triton.cdiv(rows, block_m),)](
         kv_cache, slots.contiguous(), centroids, rotation, keys, values, rows, heads, *kv_cache.stride(),
         D=dim, BLOCK_SIZE=kv_cache.shape[1],
@@ -394,6 +402,6 @@ def decode_slots(kv_cache: torch.Tensor, slots: torch.Tensor, preset: Preset, ro
         OUTLIERS=preset.key_outliers, VALUE_BITS=preset.value_bits, VALUE_WIDE=preset.value_wide_coords,
         VALUE_OFFSET=preset.key_bytes, VALUE_CODE_BYTES=preset.value_code_bytes,
         KC=offsets["KC"], KCW=offsets["KCW"], VC=offsets["VC"], VCW=offsets["VCW"],
-        PRECISION="ieee" if kv_cache.device.type == "cpu" else "tf32x3", BLOCK_M=block_m, num_warps=4,
+        PRECISION=precision, BLOCK_M=block_m, num_warps=4,
     )
     return keys, values

@@ -268,13 +268,14 @@ def check(presets: list[str], dims: list[int]) -> int:
                (3, torch.float16, [5, 1, 33, 2], [5, 700, 100, 1500]),
                (1, torch.bfloat16, [1, 1], [4000, 9])]
     failures, worst = 0, 0.0
-    for n, (name, dim) in enumerate((name, dim) for name in presets for dim in dims):
-        p = tqkv_compile.get_preset(name, dim)
-        prefill = (4, (torch.bfloat16, torch.float16)[n % 2], [1, 300, 200], [50, 300, 700])
-        for config in (configs[n % len(configs)], prefill):
-            ok, rel = _check_case(p, *config)
-            failures += not ok
-            worst = max(worst, rel)
+    for i, name in enumerate(presets):
+        for j, dim in enumerate(dims):  # (i + j): every head size meets every config and dtype across presets
+            p = tqkv_compile.get_preset(name, dim)
+            prefill = (4, (torch.bfloat16, torch.float16)[(i + j) % 2], [1, 300, 200], [50, 300, 700])
+            for config in (configs[(i + j) % len(configs)], prefill):
+                ok, rel = _check_case(p, *config)
+                failures += not ok
+                worst = max(worst, rel)
     print(f"check: {failures} failures, worst attention relative error {worst:.2e}", flush=True)
     return 1 if failures else 0
 

@@ -136,7 +136,8 @@ class TritonBackend:
 
     def dense_decode(self, kv_cache, slots, preset: Preset, dtype: torch.dtype):
         """The prefill path's keys and values (``prefill.dense_attention``'s ``decode``): one Triton kernel,
-        ``triton_dequant``'s for vLLM's layouts, ``triton_general``'s for presets of ours."""
+        ``triton_dequant``'s for vLLM's layouts, ``triton_general``'s for presets of ours (the codec in PyTorch
+        for a layout neither reads)."""
         from tqkv_compile.lowerings import triton_dequant
 
         if triton_dequant.supports(preset):
@@ -144,6 +145,8 @@ class TritonBackend:
             return triton_dequant.decode_slots(kv_cache, slots, preset, centroids, dtype)
         from tqkv_compile.lowerings import triton_general
 
+        if not triton_general.supports(preset):
+            return prefill.codec_decode(kv_cache, slots, preset, dtype)
         rotation, centroids, _, offsets = self.general_tables(preset, kv_cache.device)
         return triton_general.decode_slots(kv_cache, slots, preset, rotation, centroids, offsets, dtype)
 
