@@ -74,6 +74,17 @@ def _dequant_kernel(
     tl.store(value_ptr + out, values.to(value_ptr.dtype.element_ty), mask=keep[:, None])
 
 
+def dense_outputs(kv_cache: torch.Tensor, slots: torch.Tensor, preset: Preset,
+                  dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The decode launchers' (here and ``triton_general``'s) common start: the cache check (a slot's bytes
+    adjacent, as their fp16 fields are read as two adjacent bytes) and the empty contiguous outputs, keys and
+    values ``dtype`` [T, Hk, D] (their rows are ``(token, kv head)`` in the kernels' order)."""
+    if kv_cache.stride(3) != 1:
+        raise ValueError(f"kv_cache: a slot's bytes must be adjacent (last stride 1), got strides {kv_cache.stride()}")
+    keys = torch.empty(slots.shape[0], kv_cache.shape[2], preset.head_dim, dtype=dtype, device=kv_cache.device)
+    return keys, torch.empty_like(keys)
+
+
 def decode_slots(kv_cache: torch.Tensor, slots: torch.Tensor, preset: Preset, centroids: torch.Tensor,
                  dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """(keys, values) ``dtype`` [T, Hk, D] of the cache slots ``slots`` (int [T], flat ``block * block_size +
@@ -81,18 +92,13 @@ def decode_slots(kv_cache: torch.Tensor, slots: torch.Tensor, preset: Preset, ce
     the original basis. kv_cache u8 [NB, BS, Hk, S] (any strides but the last, which must be 1: an fp16 field
     is read as two adjacent bytes); centroids fp32 [2^key_bits] (unused for fp8 keys)."""
     require_vllm_layout(preset)
-    if kv_cache.stride(3) != 1:
-        raise ValueError(f"kv_cache: a slot's bytes must be adjacent (last stride 1), got strides {kv_cache.stride()}")
-    slots = slots.contiguous()
-    tokens, heads, dim = slots.shape[0], kv_cache.shape[2], preset.head_dim
-    keys = torch.empty(tokens, heads, dim, dtype=dtype, device=kv_cache.device)
-    values = torch.empty_like(keys)
-    rows = tokens * heads
+    keys, values = dense_outputs(kv_cache, slots, preset, dtype)
+    rows, heads, dim = keys.shape[0] * keys.shape[1], keys.shape[1], preset.head_dim
     if rows == 0:
         return keys, values
     block_m = 16
     _dequant_kernel[(triton.cdiv(rows, block_m),)](
-        kv_cache, slots, centroids, keys, values,
+        kv_cache, slots.contiguous(), centroids, keys, values,
         rows, heads,
         *kv_cache.stride(),
         D=dim, BLOCK_SIZE=kv_cache.shape[1],

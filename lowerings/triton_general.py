@@ -34,6 +34,7 @@ from tqkv_compile import lloyd_max
 from tqkv_compile.codec import FP8_MAX, Preset
 from tqkv_compile.lowerings.triton_attention import (LOG2E, _load_fp16, _merge_kernel, _softmax_step, _split_span,
                                                       _tile_base, num_splits)
+from tqkv_compile.lowerings.triton_dequant import dense_outputs
 from tqkv_compile.lowerings.triton_kv_dot import _logit_tile, _store_logits
 from tqkv_compile.lowerings.triton_kv_write import _fp8e4m3_bits, _store_fp16, _store_packed, _write_rows
 
@@ -383,12 +384,8 @@ def decode_slots(kv_cache: torch.Tensor, slots: torch.Tensor, preset: Preset, ro
                  centroids: torch.Tensor, offsets: dict, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """As ``triton_dequant.decode_slots`` for a preset of ours (tables from :func:`tables`): keys in the stored
     basis times their norm, values in the original basis, ``dtype`` [T, Hk, D]."""
-    if kv_cache.stride(3) != 1:
-        raise ValueError(f"kv_cache: a slot's bytes must be adjacent (last stride 1), got strides {kv_cache.stride()}")
-    tokens, heads, dim = slots.shape[0], kv_cache.shape[2], preset.head_dim
-    keys = torch.empty(tokens, heads, dim, dtype=dtype, device=kv_cache.device)
-    values = torch.empty_like(keys)
-    rows = tokens * heads
+    keys, values = dense_outputs(kv_cache, slots, preset, dtype)
+    rows, heads, dim = keys.shape[0] * keys.shape[1], keys.shape[1], preset.head_dim
     if rows == 0:
         return keys, values
     block_m = 16  # the value rotation is a dot: at least 16 rows

@@ -237,8 +237,7 @@ def _prefill_case(records, B, L, presets, vllm):
             except Exception as exc:  # noqa: BLE001
                 _record(records, op="prefill", B=B, L=L, impl=impl, preset=preset, error=str(exc)[:300])
     backend = tqkv_compile.get_backend("triton")
-    pos = torch.arange(L, device=dev)
-    slots = (bt.long()[:, pos // BS] * BS + pos % BS).reshape(-1)
+    slots = prefill.slot_ids(bt, list(range(B)), [L] * B, BS)
     starts = qsl.tolist()
     for name in presets:
         p = tqkv_compile.get_preset(name, D)

@@ -49,6 +49,12 @@ def plan(query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
     return (starts, lengths, dense) if dense else None
 
 
+def _consecutive(seqs: list[int]) -> bool:
+    """Whether ``seqs`` are consecutive sequence indices (vLLM puts prefills last): one slice of the block
+    table's rows and of the query's."""
+    return seqs == list(range(seqs[0], seqs[-1] + 1))
+
+
 def slot_ids(block_table: torch.Tensor, seqs: list[int], lengths: list[int], block_size: int) -> torch.Tensor:
     """int64 [sum of lengths of seqs]: the flat cache slots (``block * block_size + position``) of positions
     0..length-1 of each sequence in ``seqs``, one sequence after another. Every slot of the sequences' first
@@ -56,7 +62,7 @@ def slot_ids(block_table: torch.Tensor, seqs: list[int], lengths: list[int], blo
     a few kernels however many sequences, no host-to-device copy when ``seqs`` are consecutive (repeat_interleave
     and a gather took 230-430 us on the H200 at 16384 positions)."""
     device = block_table.device
-    if seqs == list(range(seqs[0], seqs[-1] + 1)):
+    if _consecutive(seqs):
         rows = block_table[seqs[0] : seqs[-1] + 1]
     else:
         rows = block_table[torch.tensor(seqs, device=device)]
@@ -111,7 +117,7 @@ def dense_attention(query, kv_cache, block_table, lengths: list[int], starts: li
     keys, values = decode(kv_cache, slot_ids(block_table, seqs, lengths, kv_cache.shape[1]), preset, query.dtype)
     if varlen is not None:
         news = [starts[b + 1] - starts[b] for b in seqs]
-        contiguous = seqs == list(range(seqs[0], seqs[-1] + 1))  # vLLM puts prefills last: one slice of rows
+        contiguous = _consecutive(seqs)
         if contiguous:
             rows = slice(starts[seqs[0]], starts[seqs[-1] + 1])
         else:

@@ -138,17 +138,15 @@ class TritonBackend:
         """The prefill path's keys and values (``prefill.dense_attention``'s ``decode``): one Triton kernel,
         ``triton_dequant``'s for vLLM's layouts, ``triton_general``'s for presets of ours (the codec in PyTorch
         for a layout neither reads)."""
-        from tqkv_compile.lowerings import triton_dequant
+        from tqkv_compile.lowerings import triton_dequant, triton_general
 
         if triton_dequant.supports(preset):
             _, centroids, _ = self.tables(preset, kv_cache.device)
             return triton_dequant.decode_slots(kv_cache, slots, preset, centroids, dtype)
-        from tqkv_compile.lowerings import triton_general
-
-        if not triton_general.supports(preset):
-            return prefill.codec_decode(kv_cache, slots, preset, dtype)
-        rotation, centroids, _, offsets = self.general_tables(preset, kv_cache.device)
-        return triton_general.decode_slots(kv_cache, slots, preset, rotation, centroids, offsets, dtype)
+        if triton_general.supports(preset):
+            rotation, centroids, _, offsets = self.general_tables(preset, kv_cache.device)
+            return triton_general.decode_slots(kv_cache, slots, preset, rotation, centroids, offsets, dtype)
+        return prefill.codec_decode(kv_cache, slots, preset, dtype)
 
     def decode_kernels(self, query, kv_cache, block_table, seq_lens, query_start_loc, scale, preset: Preset):
         """The decode kernels alone for every row (no prefill plan): vLLM's presets on
