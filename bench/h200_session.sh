@@ -9,8 +9,9 @@
 #                                                more bench options in E2E_ARGS)
 #   bash bench/h200_session.sh full              issue 4's table: bench kernels, every case, baselines, plot
 #   bash bench/h200_session.sh tune              the stream kernel's launch knobs (block_n, warps, maxnreg, stages)
-#   bash bench/h200_session.sh prefill           prefill attention (PREFILL_CASES, PREFILL_PRESETS): tqkv's dense
-#                                                path (FlashAttention / SDPA), beside FA3 and FA2 (vLLM TurboQuant's
+#   bash bench/h200_session.sh prefill           the prefill paths checked against the reference, then timed
+#                                                (PREFILL_CASES, PREFILL_PRESETS): tqkv's dense path (FlashAttention /
+#                                                SDPA) and whole-prompt path, beside FA3 and FA2 (vLLM TurboQuant's
 #                                                first chunk) on the raw bf16 K/V
 #   bash bench/h200_session.sh variants          decode kernels (4bit_nc, k8v4; VARIANT_PRESETS / VARIANT_CASES) and
 #                                                kv_write of each .variants/ tree (bench/make_variants.sh), beside
@@ -126,7 +127,10 @@ full)
     tail -40 "$OUT/full.log" | grep -v '^{'
     ;;
 prefill)
-    step "prefill attention, whole prompts ${PREFILL_CASES:=4x4096,1x16384}: tqkv's dense path vs FA3 / FA2 on raw K/V"
+    step "the prefill paths vs the reference (whole prompts given the step's K/V, continuation chunks, decodes)"
+    timeout 150 python3 -m tqkv_compile.bench_kernels --check --presets turboquant_4bit_nc,turboquant_k8v4 \
+        --dims 128,64 > "$OUT/check-prefill.log" 2>&1; tail -2 "$OUT/check-prefill.log"
+    step "prefill attention, whole prompts ${PREFILL_CASES:=4x4096,1x16384}: tqkv's paths vs FA3 / FA2 on raw K/V"
     timeout ${PREFILL_TIMEOUT:-200} python3 -m tqkv_compile.bench_kernels --cases "" --write-tokens "" \
         --presets "${PREFILL_PRESETS:-turboquant_k8v4,turboquant_4bit_nc,turboquant_k3v4_nc,turboquant_3bit_nc}" \
         --prefill "$PREFILL_CASES" --out "$OUT/h200-prefill.json" > "$OUT/prefill.log" 2>&1

@@ -77,3 +77,13 @@ def decoded(s: Scenario):
     p = get_preset(s.preset, s.query.shape[-1])
     pairs = [p.decode(p.encode(k, v)) for k, v in zip(s.keys, s.values)]
     return [k for k, _ in pairs], [v for _, v in pairs]
+
+
+def step_kv(s: Scenario) -> tuple[torch.Tensor, torch.Tensor]:
+    """The step's keys and values [T, Hk, D] in the query's dtype, one row per query row: each sequence's last
+    ``new`` original keys and values (the ones kv_write stored this step)."""
+    starts = s.query_start_loc.tolist()
+    news = [b - a for a, b in zip(starts, starts[1:])]
+    key = torch.cat([k[k.shape[0] - n :] for k, n in zip(s.keys, news)]).to(s.query.dtype)
+    value = torch.cat([v[v.shape[0] - n :] for v, n in zip(s.values, news)]).to(s.query.dtype)
+    return key, value

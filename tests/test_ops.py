@@ -6,7 +6,7 @@ import torch
 import tqkv_compile
 from tqkv_compile import get_preset, preset_names
 
-from paged import build, decoded, sdpa_over
+from paged import build, decoded, sdpa_over, step_kv
 
 SCALE = 0.125
 
@@ -48,6 +48,47 @@ def test_attention_in_fp32_is_tight_against_sdpa_over_decoded_kv(new):
     out = torch.ops.tqkv.attention(s.query, s.kv_cache, s.block_table, s.seq_lens, s.query_start_loc, SCALE, s.preset)
     keys, values = decoded(s)
     torch.testing.assert_close(out, sdpa_over(s, keys, values, SCALE), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["turboquant_4bit_nc", "turboquant_k8v4", "tqkv_k5v3"])
+def test_whole_prompts_given_the_steps_keys_attend_them_as_they_are(name):
+    """Given the step's keys and values, a whole prompt (new tokens == all its tokens) attends them exactly,
+    as vLLM's TurboQuant does for a first chunk; a continuation and a decode still read the codec's."""
+    s = build(name, lens=(5, 17, 9, 12), new=(1, 17, 3, 12), group=3, dtype=torch.float32, seed=5)
+    key, value = step_kv(s)
+    args = (s.query, s.kv_cache, s.block_table, s.seq_lens, s.query_start_loc, SCALE, name)
+    out = torch.ops.tqkv.attention(*args, key=key, value=value)
+    keys, values = decoded(s)
+    whole = (1, 3)
+    for b in whole:
+        keys[b], values[b] = s.keys[b], s.values[b]
+    torch.testing.assert_close(out, sdpa_over(s, keys, values, SCALE), atol=1e-5, rtol=1e-5)
+    codec = torch.ops.tqkv.attention(*args)  # without them: every sequence through the codec
+    rows = torch.cat([torch.arange(int(s.query_start_loc[b]), int(s.query_start_loc[b + 1])) for b in whole])
+    others = torch.ones(out.shape[0], dtype=torch.bool)
+    others[rows] = False
+    assert torch.equal(out[others], codec[others])
+    assert (out[rows] - codec[rows]).abs().max() > 1e-3
+
+
+def test_step_keys_are_not_looked_at_in_a_pure_decode_batch():
+    """One new token per sequence (a one-token prompt among them): the cache is read, with or without them."""
+    s = build("turboquant_4bit_nc", lens=(1, 9), new=(1, 1), dtype=torch.float32)
+    key, value = step_kv(s)
+    args = (s.query, s.kv_cache, s.block_table, s.seq_lens, s.query_start_loc, SCALE, s.preset)
+    assert torch.equal(torch.ops.tqkv.attention(*args, key=key, value=value), torch.ops.tqkv.attention(*args))
+
+
+def test_bad_step_keys_raise_value_error_naming_them():
+    s = build("turboquant_4bit_nc", lens=(5, 9), new=(5, 1), dtype=torch.float32)
+    key, value = step_kv(s)
+    args = (s.query, s.kv_cache, s.block_table, s.seq_lens, s.query_start_loc, SCALE, s.preset)
+    for kwargs, message in [(dict(key=key), "value"), (dict(value=value), "key"),
+                            (dict(key=key[:-1], value=value[:-1]), "key"),
+                            (dict(key=key, value=value.to(torch.bfloat16)), "value"),
+                            (dict(key=key[:, :1], value=value[:, :1]), "key")]:
+        with pytest.raises(ValueError, match=message):
+            torch.ops.tqkv.attention(*args, **kwargs)
 
 
 @pytest.mark.parametrize("name, min_cos", [("turboquant_k8v4", 0.99), ("turboquant_4bit_nc", 0.98),

@@ -187,6 +187,58 @@ def test_long_new_token_runs_take_the_dense_path_and_match_reference(preset_name
     torch.testing.assert_close(out.float(), expected.float(), **_tolerance(torch.bfloat16))
 
 
+@pytest.mark.parametrize("preset_name", ["turboquant_4bit_nc", "turboquant_k8v4", "tqkv_k5v3"])
+def test_whole_prompts_given_the_steps_keys_take_them_as_they_are(preset_name, monkeypatch):
+    """Given the step's keys and values: a whole prompt, long or short, attends them (no decode), a long
+    continuation chunk takes the dense path, the decodes the kernels; every row agrees with the reference."""
+    from paged import build, step_kv
+    from tqkv_compile.backends import prefill
+
+    calls = {"whole": [], "dense": []}
+    whole_fn, dense_fn = prefill.whole_prompt_attention, prefill.dense_attention
+    monkeypatch.setattr(prefill, "whole_prompt_attention",
+                        lambda *a, **k: calls["whole"].append(a[5]) or whole_fn(*a, **k))
+    monkeypatch.setattr(prefill, "dense_attention", lambda *a, **k: calls["dense"].append(a[7]) or dense_fn(*a, **k))
+    s = build(preset_name, lens=(30, 160, 45, 200, 20), new=(1, 160, 1, 140, 20), group=2, block_size=BLOCK,
+              strided=True, seed=21)
+    key, value = step_kv(s)
+    args = (s.query, s.kv_cache, s.block_table, s.seq_lens, s.query_start_loc, 64**-0.5, get_preset(preset_name, 64))
+    out = get_backend("triton").attention(*args, key=key, value=value)
+    expected = get_backend("reference").attention(*args, key=key, value=value)
+    assert calls == {"whole": [[1, 4]], "dense": [[3]]}
+    torch.testing.assert_close(out.float(), expected.float(), **_tolerance(torch.bfloat16))
+
+
+def test_whole_prompts_in_one_varlen_call():
+    """With a FlashAttention varlen function the whole prompts go in one call over their own rows (same
+    cumulative lengths for queries and keys), written in place when their rows are one slice."""
+    from paged import build, sdpa_over, step_kv
+    from tqkv_compile.backends import prefill
+
+    s = build("turboquant_4bit_nc", lens=(9, 30, 20, 25), new=(1, 30, 20, 25), group=4, seed=2)
+    key, value = step_kv(s)
+    starts = s.query_start_loc.tolist()
+    calls = []
+
+    def varlen(**kw):
+        calls.append((kw["out"] is not None, kw["cu_seqlens_q"].tolist(), kw["cu_seqlens_k"].tolist()))
+        return _varlen_by_sdpa(**kw)
+
+    for seqs, in_place in (([1, 2], True), ([1, 3], False)):
+        calls.clear()
+        out = torch.zeros_like(s.query)
+        prefill.whole_prompt_attention(s.query, key, value, starts, 0.125, seqs, out, varlen=varlen)
+        news = [starts[b + 1] - starts[b] for b in seqs]
+        cu = [0, news[0], news[0] + news[1]]
+        assert calls == [(in_place, cu, cu)]
+        rows = torch.cat([torch.arange(starts[b], starts[b + 1]) for b in seqs])
+        expected = sdpa_over(s, s.keys, s.values, 0.125)  # exact K/V; the rows of whole prompts are compared
+        torch.testing.assert_close(out[rows].float(), expected[rows], **_tolerance(torch.bfloat16))
+        others = torch.ones(out.shape[0], dtype=torch.bool)
+        others[rows] = False
+        assert not out[others].any()
+
+
 @pytest.mark.parametrize("seqs,lengths", [([0, 1], [32, 32]), ([1, 2], [5, 17]), ([2, 0], [16, 3, 40]), ([1], [1, 48])])
 def test_slot_ids_are_each_positions_cache_slot(seqs, lengths):
     from tqkv_compile.backends import prefill

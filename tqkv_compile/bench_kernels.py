@@ -89,12 +89,19 @@ def _decode_case(records, B, L, presets, vllm, tune, variants=None, cache_tokens
     if vllm is not None:
         kc = torch.randn(num_blocks, BS, HK, D, dtype=torch.bfloat16, device=dev)
         vc = torch.randn_like(kc)
-        fa = lambda: vllm["fa"](q=q, k=kc, v=vc, max_seqlen_q=1, cu_seqlens_q=qsl, max_seqlen_k=L,  # noqa: E731
-                                seqused_k=seq_lens, softmax_scale=scale, causal=True, block_table=bt, fa_version=3)
-        us, how = _time_us(fa)
         nbytes = 2 * B * L * HK * D * 2
-        _record(records, op="decode", B=B, L=L, impl="fa3_bf16", preset="bf16", us=round(us, 1),
-                GBps=round(nbytes / us / 1e3, 1), timing=how)
+        # FA3: a bf16 cache's layers. FA2: what vLLM 0.20 runs on a TurboQuant engine's bf16 boundary layers
+        # (it forces FA2 when the cache is TurboQuant; its FA2 is sm_80 code on Hopper)
+        for version in (3, 2):
+            fa = lambda: vllm["fa"](q=q, k=kc, v=vc, max_seqlen_q=1, cu_seqlens_q=qsl,  # noqa: E731
+                                    max_seqlen_k=L, seqused_k=seq_lens, softmax_scale=scale, causal=True,
+                                    block_table=bt, fa_version=version)
+            try:
+                us, how = _time_us(fa)
+                _record(records, op="decode", B=B, L=L, impl=f"fa{version}_bf16", preset="bf16", us=round(us, 1),
+                        GBps=round(nbytes / us / 1e3, 1), timing=how)
+            except Exception as exc:  # noqa: BLE001
+                _record(records, op="decode", B=B, L=L, impl=f"fa{version}_bf16", preset="bf16", error=str(exc)[:300])
         try:
             k8, v8, q8 = kc.to(torch.float8_e4m3fn), vc.to(torch.float8_e4m3fn), q.to(torch.float8_e4m3fn)
             ones = torch.ones(B, HK, dtype=torch.float32, device=dev)
@@ -209,8 +216,9 @@ def _write_case(records, T, presets, vllm):
 
 def _prefill_case(records, B, L, presets, vllm):
     """Attention of B whole prompts of L tokens (a prefill step), all rows new: tqkv's dense path (the slots
-    decoded once by a Triton kernel, then FlashAttention varlen), the same with torch's SDPA per sequence
-    instead (``tqkv_sdpa``: the path where vLLM brings no FlashAttention), FA3 on the raw bf16 keys and values
+    decoded once by a Triton kernel, then FlashAttention varlen: what a continuation chunk of this size costs),
+    tqkv given the step's keys and values (``tqkv_whole``: what the engine runs for a first chunk, FlashAttention
+    on them), the dense path with torch's SDPA per sequence (``tqkv_sdpa``: where vLLM brings no FlashAttention), FA3 on the raw bf16 keys and values
     (the floor: a bf16 cache's first chunk) and FA2 on them (``vllm_tq``: vLLM's TurboQuant backend's first
     chunk, which attends the raw keys and values, not the cache's)."""
     import tqkv_compile
@@ -245,6 +253,8 @@ def _prefill_case(records, B, L, presets, vllm):
         backend.kv_write(k, v, cache, slots, p)
         out = torch.empty_like(q)
         runs = {"tqkv": lambda: backend.attention(q, cache, bt, seq_lens, qsl, scale, p),  # noqa: E731
+                "tqkv_whole": lambda: backend.attention(q, cache, bt, seq_lens, qsl, scale, p,  # noqa: E731
+                                                        key=k, value=v),
                 "tqkv_sdpa": lambda: prefill.dense_attention(  # noqa: E731
                     q, cache, bt, [L] * B, starts, scale, p, list(range(B)), out, decode=backend.dense_decode)}
         for impl, fn in runs.items():
@@ -293,6 +303,7 @@ def _check_case(p, group: int, dtype: torch.dtype, news: list[int], lens: list[i
     cache = base.permute(0, 2, 1, 3)[..., : p.slot_bytes]  # a strided view, like vLLM's CPU cache
     cache_ref = torch.zeros(cache.shape, dtype=torch.uint8)  # the codec's bytes, computed on the CPU
     bt = torch.randperm(nb, device=dev)[: B * M].view(B, M).to(torch.int32)
+    step_keys, step_values = [], []  # each sequence's last `new` keys and values: the step's
     for b, L in enumerate(lens):
         pos = torch.arange(L, device=dev)
         slots = bt[b, pos // bs].long() * bs + pos % bs
@@ -300,16 +311,25 @@ def _check_case(p, group: int, dtype: torch.dtype, news: list[int], lens: list[i
         v = torch.randn(L, hk, dim, device=dev).to(dtype)
         tri.kv_write(k, v, cache, slots, p)
         ref.kv_write(k.cpu(), v.cpu(), cache_ref, slots.cpu(), p)
+        step_keys.append(k[L - news[b] :])
+        step_values.append(v[L - news[b] :])
     mism = int((cache.cpu() != cache_ref).sum())
     total = sum(lens) * hk * p.slot_bytes
     cache_ref = cache_ref.to(dev)
     qsl = torch.tensor([0] + torch.tensor(news).cumsum(0).tolist(), dtype=torch.int32, device=dev)
     sl = torch.tensor(lens, dtype=torch.int32, device=dev)
     q = torch.randn(int(qsl[-1]), hk * group, dim, device=dev).to(dtype)
-    o = tri.attention(q, cache_ref, bt, sl, qsl, dim**-0.5, p).float()
-    r = ref.attention(q, cache_ref, bt, sl, qsl, dim**-0.5, p).float()
-    rel = float((o - r).norm() / r.norm())
-    err = float((o - r).abs().max())
+    rels, errs = [], []
+    owns = [{}]  # a batch with prompts also given the step's keys and values (whole prompts attend those)
+    if q.shape[0] > B:
+        owns.append(dict(key=torch.cat(step_keys), value=torch.cat(step_values)))
+    for own in owns:
+        o = tri.attention(q, cache_ref, bt, sl, qsl, dim**-0.5, p, **own).float()
+        r = ref.attention(q, cache_ref, bt, sl, qsl, dim**-0.5, p, **own).float()
+        rels.append(float((o - r).norm() / r.norm()))
+        errs.append(float((o - r).abs().max()))
+    rel = math.nan if any(map(math.isnan, rels)) else max(rels)
+    err = max(errs)
     qd = torch.randn(B, hk * group, dim, device=dev)
     kd = tri.kv_dot(qd, cache_ref, bt, sl, dim**-0.5, p)
     kr = ref.kv_dot(qd, cache_ref, bt, sl, dim**-0.5, p)

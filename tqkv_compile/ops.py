@@ -96,9 +96,21 @@ def _check_blocks(kv_cache, block_table, seq_lens) -> None:
             raise ValueError(f"block_table: block index out of range [0, {kv_cache.shape[0]}) for a used position")
 
 
-def check_attention(query, kv_cache, block_table, seq_lens, query_start_loc, preset: str) -> Preset:
+def check_attention(query, kv_cache, block_table, seq_lens, query_start_loc, preset: str, key=None,
+                    value=None) -> Preset:
     _check_query(query, kv_cache)
     p = _check_cache(kv_cache, preset, query.shape[-1])
+    if (key is None) != (value is None):
+        raise ValueError(f"{'value' if key is None else 'key'}: key and value come together (or neither)")
+    for name, t in (("key", key), ("value", value)):
+        if t is None:
+            continue
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+        want = (query.shape[0], kv_cache.shape[2], query.shape[2])
+        if tuple(t.shape) != want or t.dtype != query.dtype or t.device != query.device:
+            raise ValueError(f"{name}: expected {query.dtype} {want} on {query.device} (one row per query row), "
+                             f"got {t.dtype} {tuple(t.shape)} on {t.device}")
     _check_blocks(kv_cache, block_table, seq_lens)
     _check_index("query_start_loc", query_start_loc, 1)
     if query_start_loc.shape[0] != seq_lens.shape[0] + 1:
@@ -159,21 +171,30 @@ def attention(
     query_start_loc: torch.Tensor,
     scale: float,
     preset: str,
+    key: torch.Tensor | None = None,
+    value: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Causal attention of query [T, Hq, D] over the packed cache; out [T, Hq, D] in the query's dtype."""
-    p = check_attention(query, kv_cache, block_table, seq_lens, query_start_loc, preset)
+    """Causal attention of query [T, Hq, D] over the packed cache; out [T, Hq, D] in the query's dtype.
+
+    ``key`` / ``value`` [T, Hk, D] (optional): the step's keys and values, one row per query row (what
+    ``kv_write`` stored this step). Given them, a sequence whose new tokens are all its tokens (a whole prompt)
+    attends them as they are instead of reading its slots back through the codec, as vLLM's TurboQuant does
+    for a first chunk. Not looked at (the cache is read) in a batch with no more query rows than sequences
+    (pure decode: no host read) nor inside CUDA-graph capture."""
+    p = check_attention(query, kv_cache, block_table, seq_lens, query_start_loc, preset, key, value)
+    own = {} if key is None else dict(key=key, value=value)
     backend = backends.select_backend(query.device, p)
-    out = backend.attention(query, kv_cache, block_table, seq_lens, query_start_loc, scale, p)
+    out = backend.attention(query, kv_cache, block_table, seq_lens, query_start_loc, scale, p, **own)
     if backends.validate_enabled() and backend.name != "reference":
         expected = backends.get_backend("reference").attention(
-            query, kv_cache, block_table, seq_lens, query_start_loc, scale, p
+            query, kv_cache, block_table, seq_lens, query_start_loc, scale, p, **own
         )
         backends.record_validation("attention", backend.name, float((expected.float() - out.float()).abs().max()))
     return out
 
 
 @attention.register_fake
-def _(query, kv_cache, block_table, seq_lens, query_start_loc, scale, preset):
+def _(query, kv_cache, block_table, seq_lens, query_start_loc, scale, preset, key=None, value=None):
     return torch.empty_like(query)
 
 

@@ -3,7 +3,8 @@
 A backend is any object with ``name``, ``supports(device) -> bool`` (optionally ``auto_selects(device)``
 where automatic selection should be narrower, and ``supports_preset(preset)``) and the three op methods
 ``kv_write``, ``attention`` and ``kv_dot`` (same arguments as the ops, the preset resolved to a
-:class:`tqkv_compile.codec.Preset`). Third parties register theirs with :func:`register_backend`.
+:class:`tqkv_compile.codec.Preset`; ``attention`` gets ``key`` / ``value`` as keywords, and only when the
+caller gave them). Third parties register theirs with :func:`register_backend`.
 
 Selection, first that applies: :func:`set_backend` / :func:`use_backend`; the ``TQKV_BACKEND`` environment
 variable; else the registered backend with the highest priority that supports the tensors' device.
@@ -31,7 +32,8 @@ class MemoryBackend(Protocol):
 
     def kv_write(self, key, value, kv_cache, slot_mapping, preset) -> None: ...
 
-    def attention(self, query, kv_cache, block_table, seq_lens, query_start_loc, scale, preset) -> torch.Tensor: ...
+    def attention(self, query, kv_cache, block_table, seq_lens, query_start_loc, scale, preset, key=None,
+                  value=None) -> torch.Tensor: ...
 
     def kv_dot(self, query, kv_cache, block_table, seq_lens, scale, preset) -> torch.Tensor: ...
 

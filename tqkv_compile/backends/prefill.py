@@ -1,18 +1,21 @@
-"""Attention for sequences with many new tokens (prefill, long prefill chunks): the sequences' slots decoded
-once into dense keys and values, then one FlashAttention varlen call (CUDA) or SDPA per sequence.
+"""Attention for sequences with many new tokens (prefill, long prefill chunks), and for whole prompts.
 
-The decode kernels serve any number of new tokens, but each query row re-reads the whole context: at a
-4096-token prompt that is 4096 passes over the cache per layer, hours for a batch of long prompts. Decoding
-the context once (O(context)) and handing it to a tensor-core attention kernel is what vLLM's own TurboQuant
-backend does for continuation chunks too. The semantics stay the ops' (every key and value read through the
-codec, as decode reads them); the decoded keys and values are rounded to the query dtype for SDPA.
+Whole prompts (sequences whose new tokens are all their tokens), where the op is handed the step's keys and
+values: they attend those as the model made them, in one FlashAttention varlen call (CUDA) or SDPA per
+sequence (:func:`whole_prompt_attention`). Nothing is read from the cache. vLLM's TurboQuant backend does the
+same for a first chunk, so that prefill costs what it costs on a bf16 cache; the prompt's later tokens (and
+every later step) read the keys and values through the codec.
 
-The decode is one call for all the batch's dense sequences: the codec in PyTorch (:func:`codec_decode`, any
-preset) or the Triton backend's kernels (``triton_dequant`` for vLLM's layouts, ``triton_general`` for ours). Attention: where vLLM brings
-FlashAttention (CUDA), one varlen call for all of them (GQA, causal aligned bottom-right for continuation
-chunks; FA3 on Hopper); else SDPA per sequence, a whole
-prompt with GQA and a plain causal mask, a continuation chunk with a lower-right mask, which takes the
-memory-efficient kernel, which has no GQA, so its keys and values are repeated per query head.
+Continuation chunks with many new tokens (:func:`dense_attention`): the decode kernels serve any number of
+new tokens, but each query row re-reads the whole context: at a 4096-token chunk that is 4096 passes over the
+cache per layer. Decoding the context once (O(context)) and handing it to a tensor-core attention kernel is
+what vLLM's own TurboQuant backend does for continuation chunks too. Every key and value is read through the
+codec, as decode reads them; the decoded keys and values are rounded to the query dtype. The decode is one
+call for all the batch's dense sequences: the codec in PyTorch (:func:`codec_decode`, any preset) or the Triton
+backend's kernels (``triton_dequant`` for vLLM's layouts, ``triton_general`` for ours). Attention: where vLLM
+brings FlashAttention (CUDA), one varlen call for all of them (GQA, causal aligned bottom-right; FA3 on
+Hopper); else SDPA per sequence with a lower-right mask, which takes the memory-efficient kernel, which has no
+GQA, so its keys and values are repeated per query head.
 
 Planning needs the per-sequence token counts on the host (one sync), so the split is only looked at when the
 batch has more query rows than sequences, which never happens in a pure decode step.
@@ -33,26 +36,40 @@ from tqkv_compile.codec import Preset
 DENSE_MIN_NEW_TOKENS = 128
 
 
-def plan(query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
-         rows: int) -> tuple[list[int], list[int], list[int]] | None:
-    """(query_start_loc on the host, seq_lens on the host, the sequences with more than DENSE_MIN_NEW_TOKENS new
-    tokens) from one host read, or None when there are none; None without a host read when the batch cannot
-    have any."""
+def plan(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, rows: int,
+         whole_prompts: bool = False) -> tuple[list[int], list[int], list[int], list[int]] | None:
+    """(query_start_loc on the host, seq_lens on the host, the dense sequences, the whole prompts) from one
+    host read, or None when the batch has neither; None without a host read when it cannot have any.
+
+    Whole prompts (only with ``whole_prompts``: the op was handed the step's keys and values) are the
+    sequences whose new tokens are all their tokens, however few; dense ones are the others with more than
+    DENSE_MIN_NEW_TOKENS new tokens. A batch of one new token per sequence is never looked at (pure decode:
+    no host read; a one-token prompt there reads its slot like the rest)."""
     num_seqs = seq_lens.shape[0]
-    if rows <= num_seqs or rows <= DENSE_MIN_NEW_TOKENS:
+    if rows <= num_seqs or (rows <= DENSE_MIN_NEW_TOKENS and not whole_prompts):
         return None
     if query_start_loc.is_cuda and torch.cuda.is_current_stream_capturing():
         return None  # no host reads inside CUDA-graph capture; the kernels serve every row
     host = torch.cat([query_start_loc[: num_seqs + 1], seq_lens.to(query_start_loc.dtype)]).tolist()
     starts, lengths = host[: num_seqs + 1], host[num_seqs + 1 :]
-    dense = [b for b in range(num_seqs) if starts[b + 1] - starts[b] > DENSE_MIN_NEW_TOKENS]
-    return (starts, lengths, dense) if dense else None
+    news = [starts[b + 1] - starts[b] for b in range(num_seqs)]
+    whole = [b for b in range(num_seqs) if 0 < news[b] == lengths[b]] if whole_prompts else []
+    taken = set(whole)
+    dense = [b for b in range(num_seqs) if news[b] > DENSE_MIN_NEW_TOKENS and b not in taken]
+    return (starts, lengths, dense, whole) if dense or whole else None
 
 
 def _consecutive(seqs: list[int]) -> bool:
     """Whether ``seqs`` are consecutive sequence indices (vLLM puts prefills last): one slice of the block
     table's rows and of the query's."""
     return seqs == list(range(seqs[0], seqs[-1] + 1))
+
+
+def _query_rows(seqs: list[int], starts: list[int], device: torch.device) -> slice | torch.Tensor:
+    """The query rows of sequences ``seqs``: a slice (a view) when they are consecutive, else an index."""
+    if _consecutive(seqs):
+        return slice(starts[seqs[0]], starts[seqs[-1] + 1])
+    return torch.cat([torch.arange(starts[b], starts[b + 1]) for b in seqs]).to(device)
 
 
 def slot_ids(block_table: torch.Tensor, seqs: list[int], lengths: list[int], block_size: int) -> torch.Tensor:
@@ -117,20 +134,13 @@ def dense_attention(query, kv_cache, block_table, lengths: list[int], starts: li
     keys, values = decode(kv_cache, slot_ids(block_table, seqs, lengths, kv_cache.shape[1]), preset, query.dtype)
     if varlen is not None:
         news = [starts[b + 1] - starts[b] for b in seqs]
-        contiguous = _consecutive(seqs)
-        if contiguous:
-            rows = slice(starts[seqs[0]], starts[seqs[-1] + 1])
-        else:
-            rows = torch.cat([torch.arange(starts[b], starts[b + 1]) for b in seqs]).to(query.device)
+        rows = _query_rows(seqs, starts, query.device)
         q, q_scale = stored_basis(query[rows], preset, scale)
         cu = torch.tensor([0, *itertools.accumulate(news), 0, *itertools.accumulate(lengths[b] for b in seqs)],
                           dtype=torch.int32, device=query.device).view(2, -1)  # one host-to-device copy
-        into = out[rows] if contiguous and out.dtype == query.dtype else None  # written in place
-        o = varlen(q=q, k=keys, v=values, cu_seqlens_q=cu[0], cu_seqlens_k=cu[1], max_seqlen_q=max(news),
-                   max_seqlen_k=max(lengths[b] for b in seqs), softmax_scale=q_scale, causal=True,  # bottom-right
-                   out=into)
-        if into is None:
-            out[rows] = o.to(out.dtype)
+        _varlen_into(varlen, out, rows, query.dtype, q=q, k=keys, v=values, cu_seqlens_q=cu[0], cu_seqlens_k=cu[1],
+                     max_seqlen_q=max(news), max_seqlen_k=max(lengths[b] for b in seqs), softmax_scale=q_scale,
+                     causal=True)  # bottom-right
         return
     kv_heads = kv_cache.shape[2]
     at = 0
@@ -151,3 +161,33 @@ def dense_attention(query, kv_cache, block_table, lengths: list[int], starts: li
             k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(new, length), scale=q_scale)
         out[start:end] = o[0].transpose(0, 1).to(out.dtype)
+
+
+def _varlen_into(varlen, out: torch.Tensor, rows, dtype: torch.dtype, **args) -> None:
+    """One FlashAttention varlen call whose result lands in ``out[rows]``: written there in place when the rows
+    are a slice and ``out`` has the query's dtype, else copied."""
+    into = out[rows] if isinstance(rows, slice) and out.dtype == dtype else None
+    o = varlen(out=into, **args)
+    if into is None:
+        out[rows] = o.to(out.dtype)
+
+
+def whole_prompt_attention(query, key, value, starts: list[int], scale: float, seqs: list[int], out: torch.Tensor,
+                           varlen=None) -> None:
+    """Writes the attention of the whole prompts ``seqs`` (sequences whose new tokens are all their tokens;
+    their rows of ``query``, from ``starts``: query_start_loc on the host) over the step's own ``key`` and
+    ``value`` rows, as the model made them (no codec), into ``out``: what vLLM's TurboQuant does for a first
+    chunk, and nothing to decode. One FlashAttention varlen call where ``varlen`` is given, else SDPA per
+    sequence (causal, GQA)."""
+    news = [starts[b + 1] - starts[b] for b in seqs]
+    if varlen is not None:
+        rows = _query_rows(seqs, starts, query.device)
+        cu = torch.tensor([0, *itertools.accumulate(news)], dtype=torch.int32, device=query.device)
+        _varlen_into(varlen, out, rows, query.dtype, q=query[rows], k=key[rows], v=value[rows], cu_seqlens_q=cu,
+                     cu_seqlens_k=cu, max_seqlen_q=max(news), max_seqlen_k=max(news), softmax_scale=scale,
+                     causal=True)
+        return
+    for b in seqs:
+        q, k, v = (t[starts[b] : starts[b + 1]].transpose(0, 1).unsqueeze(0) for t in (query, key, value))
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+        out[starts[b] : starts[b + 1]] = o[0].transpose(0, 1).to(out.dtype)

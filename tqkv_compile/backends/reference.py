@@ -52,7 +52,10 @@ class ReferenceBackend:
         encoded = preset.encode(key[keep], value[keep]).to(kv_cache.device)
         kv_cache[slots // block_size, slots % block_size] = encoded
 
-    def attention(self, query, kv_cache, block_table, seq_lens, query_start_loc, scale, preset: Preset):
+    def attention(self, query, kv_cache, block_table, seq_lens, query_start_loc, scale, preset: Preset, key=None,
+                  value=None):
+        """Every sequence through the codec, except, given the step's ``key`` and ``value``, whole prompts in a
+        batch with more query rows than sequences: they attend those rows as they are."""
         out = torch.zeros_like(query)
         kv_heads = kv_cache.shape[2]
         group = query.shape[1] // kv_heads
@@ -66,8 +69,12 @@ class ReferenceBackend:
             new = end - start
             if new <= 0:
                 continue
-            keys, values = decoded_keys_values(kv_cache, block_table[b], length, preset)
-            q = rotated_query(query[start:end], preset).view(new, kv_heads, group, -1)
+            if key is not None and new == length and query.shape[0] > len(lengths):  # a whole prompt: as given
+                keys, values, q = key[start:end].float(), value[start:end].float(), query[start:end].float()
+            else:
+                keys, values = decoded_keys_values(kv_cache, block_table[b], length, preset)
+                q = rotated_query(query[start:end], preset)
+            q = q.view(new, kv_heads, group, -1)
             scores = torch.einsum("nkgd,lkd->kgnl", q, keys) * scale
             query_pos = torch.arange(length - new, length, device=q.device)
             future = torch.arange(length, device=q.device)[None, :] > query_pos[:, None]

@@ -108,15 +108,16 @@ class TritonBackend:
         rotation, _, midpoints = self.tables(preset, kv_cache.device)
         kv_write(key, value, kv_cache, slot_mapping, preset, rotation, midpoints)
 
-    def attention(self, query, kv_cache, block_table, seq_lens, query_start_loc, scale, preset: Preset):
-        """The decode kernels for every sequence, except those with many new tokens (prefill), which get the
-        dense path (:mod:`tqkv_compile.backends.prefill`)."""
-        planned = prefill.plan(query_start_loc, seq_lens, query.shape[0])
+    def attention(self, query, kv_cache, block_table, seq_lens, query_start_loc, scale, preset: Preset, key=None,
+                  value=None):
+        """The decode kernels for every sequence, except whole prompts (given the step's ``key`` and ``value``)
+        and those with many new tokens, which get the prefill paths (:mod:`tqkv_compile.backends.prefill`)."""
+        planned = prefill.plan(query_start_loc, seq_lens, query.shape[0], whole_prompts=key is not None)
         if planned is None:
             return self.decode_kernels(query, kv_cache, block_table, seq_lens, query_start_loc, scale, preset)
-        starts, lengths, dense = planned
+        starts, lengths, dense, whole = planned
         out = torch.empty_like(query)
-        short = sorted(set(range(seq_lens.shape[0])) - set(dense))
+        short = sorted(set(range(seq_lens.shape[0])) - set(dense) - set(whole))
         if short:
             if short == list(range(len(short))):  # vLLM's order: decodes first, so usually a plain prefix
                 rows = slice(0, starts[len(short)])
@@ -130,8 +131,12 @@ class TritonBackend:
                 sub = self.decode_kernels(query[index], kv_cache, block_table[picked], seq_lens[picked],
                                              counts.to(query_start_loc.device, query_start_loc.dtype), scale, preset)
                 out[index] = sub
-        prefill.dense_attention(query, kv_cache, block_table, lengths, starts, scale, preset, dense, out,
-                                decode=self.dense_decode, varlen=_flash_varlen(query))
+        varlen = _flash_varlen(query)
+        if dense:
+            prefill.dense_attention(query, kv_cache, block_table, lengths, starts, scale, preset, dense, out,
+                                    decode=self.dense_decode, varlen=varlen)
+        if whole:
+            prefill.whole_prompt_attention(query, key, value, starts, scale, whole, out, varlen=varlen)
         return out
 
     def dense_decode(self, kv_cache, slots, preset: Preset, dtype: torch.dtype):

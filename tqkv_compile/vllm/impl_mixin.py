@@ -26,5 +26,5 @@ class TqkvImplMixin:
         if not serving.serves(layer) or output_scale is not None or output_block_scale is not None:
             return super().forward(layer, query, key, value, kv_cache, attn_metadata, output=output,
                                    output_scale=output_scale, output_block_scale=output_block_scale)
-        serving.attend(layer, query, kv_cache, attn_metadata, output, path="impl")
+        serving.attend(layer, query, kv_cache, attn_metadata, output, path="impl", key=key, value=value)
         return output

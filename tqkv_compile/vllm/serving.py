@@ -171,8 +171,11 @@ def write_kv(layer: Any, key, value, kv_cache: torch.Tensor, slot_mapping: torch
     _count(path, layer.layer_name)
 
 
-def attend(layer: Any, query: torch.Tensor, kv_cache: torch.Tensor, metadata: Any, output: torch.Tensor, path: str) -> None:
-    """Attention over the packed cache, written into vLLM's output buffer."""
+def attend(layer: Any, query: torch.Tensor, kv_cache: torch.Tensor, metadata: Any, output: torch.Tensor, path: str,
+           key: torch.Tensor | None = None, value: torch.Tensor | None = None) -> None:
+    """Attention over the packed cache, written into vLLM's output buffer. ``key`` / ``value``: the step's (the
+    ones just written), which whole prompts attend as they are (``tqkv::attention``); None reads every sequence
+    from the cache."""
     if metadata is None:  # profiling / warm-up run: vLLM's TurboQuant impl returns zeros too
         output.zero_()
         return
@@ -181,9 +184,13 @@ def attend(layer: Any, query: torch.Tensor, kv_cache: torch.Tensor, metadata: An
     heads, dim = layer.impl.num_heads, layer.impl.head_size
     _trace("attention", layer, path=path, preset=preset.name, tokens=tokens, query=query, block_table=block_table,
            seq_lens=seq_lens, query_start_loc=query_start_loc, cache=cache)
+    own = {}
+    if key is not None and value is not None:
+        kv_heads = layer.impl.num_kv_heads
+        own = dict(key=key[:tokens].view(tokens, kv_heads, dim), value=value[:tokens].view(tokens, kv_heads, dim))
     out = torch.ops.tqkv.attention(
         query[:tokens].view(tokens, heads, dim), cache, block_table, seq_lens, query_start_loc,
-        float(layer.impl.scale), preset.name,
+        float(layer.impl.scale), preset.name, **own,
     )
     output.view(-1, heads, dim)[:tokens].copy_(out)
     _count(path, layer.layer_name)

@@ -46,7 +46,8 @@ def register() -> None:
                 query, key, value, output, layer_name, output_scale, output_block_scale, kv_cache_dummy_dep
             )
             return
-        serving.attend(context.layer, query, context.kv_cache, context.metadata, output, path="compiled")
+        serving.attend(context.layer, query, context.kv_cache, context.metadata, output, path="compiled", key=key,
+                       value=value)
 
     def vllm_unified_attention_with_output_fake(
         query: torch.Tensor,
