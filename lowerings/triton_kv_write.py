@@ -9,6 +9,14 @@ uniform codes, packed, then scale and min as fp16. Divisions and square roots ar
 (``div_rn`` / ``sqrt_rn``) so the bytes match :meth:`tqkv_compile.codec.Preset.encode`.
 
 Rows whose slot is negative are skipped. The cache is addressed by its four strides (any view).
+
+Launch shape (:func:`launch_shape`): many rows, one program per block of 32 rows writes whole slots. Few rows
+(a decode step: one token is 8 rows at 8 kv heads), Lloyd-Max presets: each block of 16 rows is spread over
+programs that each write 32 key coordinates or half the value codes (each computes the row's norm, or its
+minimum and maximum, itself). A decode step's write is one program's latency, not bandwidth: 39 us a layer at
+one token in an engine on the H200 with whole-slot programs (13,720 SASS instructions straight-line per thread
+and 1.9 KB of spills at 32 rows); a split program is at most 4,927 (both branches; 154 registers, no spills).
+The split is not yet timed on a GPU.
 """
 
 from __future__ import annotations
@@ -75,6 +83,65 @@ def _write_rows(slot_ptr, n_rows, num_kv_heads, s_blk, s_pos, s_head, BLOCK_SIZE
 
 
 @triton.jit
+def _write_keys(key_ptr, cache_ptr, rot_ptr, mid_ptr, tok, head, keep, base, s_kt, s_kh, s_kd, s_byte, c_start,
+                FP8_MAX: tl.constexpr, D: tl.constexpr, KEY_FP8: tl.constexpr, KEY_BITS: tl.constexpr,
+                KEY_CODE_BYTES: tl.constexpr, WIDTH: tl.constexpr, with_norm, BLOCK_M: tl.constexpr,
+                BLOCK_R: tl.constexpr):
+    """The key bytes of coordinates [c_start, c_start + WIDTH) of this program's rows (the norm too where
+    ``with_norm``): fp8 bytes, or the Lloyd-Max codes of the rotated unit key (the norm is over the whole row)."""
+    rows_k = key_ptr + tok[:, None].to(tl.int64) * s_kt + head[:, None] * s_kh
+    if KEY_FP8:
+        w = tl.arange(0, WIDTH)
+        k = tl.load(rows_k + (c_start + w)[None, :] * s_kd, mask=keep[:, None], other=0.0).to(tl.float32)
+        k8 = _fp8e4m3_bits(tl.minimum(tl.maximum(k, -FP8_MAX), FP8_MAX)).to(tl.uint8)
+        tl.store(cache_ptr + base[:, None] + (c_start + w)[None, :] * s_byte, k8, mask=keep[:, None])
+    else:
+        d = tl.arange(0, D)
+        k = tl.load(rows_k + d[None, :] * s_kd, mask=keep[:, None], other=0.0).to(tl.float32)
+        norm = tl.sqrt_rn(tl.sum(k * k, axis=1))
+        unit = tl.div_rn(k, (norm + 1e-8)[:, None])
+        r = tl.arange(0, BLOCK_R)
+        for c in tl.static_range(0, WIDTH, BLOCK_R):
+            rot = tl.load(rot_ptr + d[:, None] * D + (c_start + c + r)[None, :])
+            y = tl.dot(unit, rot, input_precision="tf32x3")
+            codes = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.int32)
+            for i in tl.static_range((1 << KEY_BITS) - 1):
+                codes += (y >= tl.load(mid_ptr + i)).to(tl.int32)
+            _store_packed(cache_ptr, base + ((c_start + c) * KEY_BITS // 8) * s_byte, s_byte, codes, keep,
+                          KEY_BITS, BLOCK_M, BLOCK_R)
+        _store_fp16(cache_ptr, base + KEY_CODE_BYTES * s_byte, norm, keep & with_norm)
+
+
+@triton.jit
+def _write_values(value_ptr, cache_ptr, tok, head, keep, base, s_vt, s_vh, s_vd, s_byte, c_start,
+                  D: tl.constexpr, VALUE_BITS: tl.constexpr, VALUE_OFFSET: tl.constexpr,
+                  VALUE_CODE_BYTES: tl.constexpr, PAD: tl.constexpr, WIDTH: tl.constexpr, with_scale,
+                  BLOCK_M: tl.constexpr):
+    """The value codes of coordinates [c_start, c_start + WIDTH) of this program's rows (scale, minimum and pad
+    too where ``with_scale``); scale and minimum are over the whole row."""
+    rows_v = value_ptr + tok[:, None].to(tl.int64) * s_vt + head[:, None] * s_vh
+    d = tl.arange(0, D)
+    v = tl.load(rows_v + d[None, :] * s_vd, mask=keep[:, None], other=0.0).to(tl.float32)
+    top: tl.constexpr = (1 << VALUE_BITS) - 1
+    low = tl.min(v, axis=1)
+    scale = tl.div_rn(tl.max(v, axis=1) - low, top * 1.0)
+    scale = tl.where(scale > 1e-8, scale, 1e-8)
+    if WIDTH < D:  # this program's coordinates only (the row again, from L1 / L2)
+        w = tl.arange(0, WIDTH)
+        v = tl.load(rows_v + (c_start + w)[None, :] * s_vd, mask=keep[:, None], other=0.0).to(tl.float32)
+    vcodes = (tl.div_rn(v - low[:, None], scale[:, None]) + 0.5).to(tl.int32)
+    vcodes = tl.minimum(tl.maximum(vcodes, 0), top)
+    vbase = base + VALUE_OFFSET * s_byte
+    _store_packed(cache_ptr, vbase + (c_start * VALUE_BITS // 8) * s_byte, s_byte, vcodes, keep, VALUE_BITS,
+                  BLOCK_M, WIDTH)
+    first = keep & with_scale
+    _store_fp16(cache_ptr, vbase + VALUE_CODE_BYTES * s_byte, scale, first)
+    _store_fp16(cache_ptr, vbase + (VALUE_CODE_BYTES + 2) * s_byte, low, first)
+    if PAD:
+        tl.store(cache_ptr + vbase + (VALUE_CODE_BYTES + 4) * s_byte, tl.zeros_like(tok).to(tl.uint8), mask=first)
+
+
+@triton.jit
 def _kv_write_kernel(
     key_ptr, value_ptr, cache_ptr, slot_ptr, rot_ptr, mid_ptr,
     n_rows, num_kv_heads,
@@ -83,44 +150,50 @@ def _kv_write_kernel(
     FP8_MAX: tl.constexpr, D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     KEY_FP8: tl.constexpr, KEY_BITS: tl.constexpr, KEY_CODE_BYTES: tl.constexpr,
     VALUE_BITS: tl.constexpr, VALUE_OFFSET: tl.constexpr, VALUE_CODE_BYTES: tl.constexpr, PAD: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, KEY_PARTS: tl.constexpr, VALUE_PARTS: tl.constexpr,
 ):
+    """Grid (row blocks, parts). KEY_PARTS == 0: one program writes its rows' whole slots. Else program
+    (i, p) writes key coordinates [p * D / KEY_PARTS, ...) for p < KEY_PARTS and value coordinates of part
+    p - KEY_PARTS after: a few rows (a decode step) spread over several programs, whose latency, not the
+    bandwidth, is the kernel's time there."""
     tok, head, keep, base = _write_rows(slot_ptr, n_rows, num_kv_heads, s_blk, s_pos, s_head, BLOCK_SIZE, BLOCK_M)
-
-    d = tl.arange(0, D)
-    k = tl.load(key_ptr + tok[:, None].to(tl.int64) * s_kt + head[:, None] * s_kh + d[None, :] * s_kd,
-                mask=keep[:, None], other=0.0).to(tl.float32)
-    if KEY_FP8:
-        k8 = _fp8e4m3_bits(tl.minimum(tl.maximum(k, -FP8_MAX), FP8_MAX)).to(tl.uint8)
-        tl.store(cache_ptr + base[:, None] + d[None, :] * s_byte, k8, mask=keep[:, None])
+    part = tl.program_id(1)
+    part_rows = tl.zeros_like(tok) + part  # per row: a mask of scalar & row-vector is not a bool (interpreter)
+    if KEY_PARTS == 0:  # (a grid of one part: part == 0)
+        _write_keys(key_ptr, cache_ptr, rot_ptr, mid_ptr, tok, head, keep, base, s_kt, s_kh, s_kd, s_byte, 0,
+                    FP8_MAX, D, KEY_FP8, KEY_BITS, KEY_CODE_BYTES, D, part_rows == 0, BLOCK_M, BLOCK_R)
+        _write_values(value_ptr, cache_ptr, tok, head, keep, base, s_vt, s_vh, s_vd, s_byte, 0, D, VALUE_BITS,
+                      VALUE_OFFSET, VALUE_CODE_BYTES, PAD, D, part_rows == 0, BLOCK_M)
     else:
-        norm = tl.sqrt_rn(tl.sum(k * k, axis=1))
-        unit = tl.div_rn(k, (norm + 1e-8)[:, None])
-        r = tl.arange(0, BLOCK_R)
-        for c0 in tl.static_range(0, D, BLOCK_R):
-            rot = tl.load(rot_ptr + d[:, None] * D + (c0 + r)[None, :])
-            y = tl.dot(unit, rot, input_precision="tf32x3")
-            codes = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.int32)
-            for i in tl.static_range((1 << KEY_BITS) - 1):
-                codes += (y >= tl.load(mid_ptr + i)).to(tl.int32)
-            _store_packed(cache_ptr, base + (c0 * KEY_BITS // 8) * s_byte, s_byte, codes, keep,
-                          KEY_BITS, BLOCK_M, BLOCK_R)
-        _store_fp16(cache_ptr, base + KEY_CODE_BYTES * s_byte, norm, keep)
+        KEY_W: tl.constexpr = D // KEY_PARTS
+        VALUE_W: tl.constexpr = D // VALUE_PARTS
+        if part < KEY_PARTS:
+            _write_keys(key_ptr, cache_ptr, rot_ptr, mid_ptr, tok, head, keep, base, s_kt, s_kh, s_kd, s_byte,
+                        part * KEY_W, FP8_MAX, D, KEY_FP8, KEY_BITS, KEY_CODE_BYTES, KEY_W, part_rows == 0,
+                        BLOCK_M, BLOCK_R)
+        else:
+            vpart = part - KEY_PARTS
+            _write_values(value_ptr, cache_ptr, tok, head, keep, base, s_vt, s_vh, s_vd, s_byte, vpart * VALUE_W,
+                          D, VALUE_BITS, VALUE_OFFSET, VALUE_CODE_BYTES, PAD, VALUE_W, part_rows == KEY_PARTS,
+                          BLOCK_M)
 
-    v = tl.load(value_ptr + tok[:, None].to(tl.int64) * s_vt + head[:, None] * s_vh + d[None, :] * s_vd,
-                mask=keep[:, None], other=0.0).to(tl.float32)
-    top: tl.constexpr = (1 << VALUE_BITS) - 1
-    low = tl.min(v, axis=1)
-    scale = tl.div_rn(tl.max(v, axis=1) - low, top * 1.0)
-    scale = tl.where(scale > 1e-8, scale, 1e-8)
-    vcodes = (tl.div_rn(v - low[:, None], scale[:, None]) + 0.5).to(tl.int32)
-    vcodes = tl.minimum(tl.maximum(vcodes, 0), top)
-    vbase = base + VALUE_OFFSET * s_byte
-    _store_packed(cache_ptr, vbase, s_byte, vcodes, keep, VALUE_BITS, BLOCK_M, D)
-    _store_fp16(cache_ptr, vbase + VALUE_CODE_BYTES * s_byte, scale, keep)
-    _store_fp16(cache_ptr, vbase + (VALUE_CODE_BYTES + 2) * s_byte, low, keep)
-    if PAD:
-        tl.store(cache_ptr + vbase + (VALUE_CODE_BYTES + 4) * s_byte, tl.zeros_like(tok).to(tl.uint8), mask=keep)
+
+def launch_shape(rows: int, preset: Preset, device: torch.device) -> tuple[int, int, int, int]:
+    """(rows per program, rotation columns per dot, key parts, value parts) for ``rows`` (token, kv head) rows;
+    0 key parts: one program writes a row block's whole slots."""
+    from tqkv_compile.lowerings.triton_attention import _sm_count
+
+    dim = preset.head_dim
+    if preset.key_fp8:
+        # no dot on fp8 keys, so any row count per program works: few rows (a decode step's 64 tokens x 8 kv
+        # heads) get programs of 4 rows, enough to spread over the GPU; many rows keep 16
+        return int(min(16, max(4, triton.next_power_of_2(max(rows // (2 * _sm_count(device)), 1))))), min(dim, 64), 0, 0
+    if triton.cdiv(rows, 16) < _sm_count(device):
+        # few rows (decode steps): a program's latency is the kernel's time (39 us at one token, 32 rows a
+        # program, on the H200 in an engine), so each 16-row block is spread over 32-coordinate key parts and
+        # two value parts (the dot needs 16 rows)
+        return 16, min(dim, 32), dim // min(dim, 32), 2
+    return 32, min(dim, 64), 0, 0  # the rotation is a tf32 dot: at least 16 rows
 
 
 def kv_write(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
@@ -133,17 +206,9 @@ def kv_write(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slo
     rows = tokens * heads
     if rows == 0:
         return
-    if preset.key_fp8:
-        # no dot on fp8 keys, so any row count per program works: few rows (a decode step's 64 tokens x 8 kv
-        # heads) get programs of 4 rows, enough to spread over the GPU; many rows keep 16
-        from tqkv_compile.lowerings.triton_attention import _sm_count
-
-        block_m = int(min(16, max(4, triton.next_power_of_2(max(rows // (2 * _sm_count(key.device)), 1)))))
-    else:
-        block_m = 32  # the rotation is a tf32 dot: at least 16 rows
-    block_r = min(dim, 64)
+    block_m, block_r, key_parts, value_parts = launch_shape(rows, preset, key.device)
     pad = preset.slot_bytes - preset.key_bytes - preset.value_bytes
-    grid = (triton.cdiv(rows, block_m),)
+    grid = (triton.cdiv(rows, block_m), max(1, key_parts + value_parts))
     kernel = _kv_write_kernel if launch is None else launch(_kv_write_kernel)
     kernel[grid](
         key, value, kv_cache, slot_mapping, rotation, midpoints,
@@ -153,6 +218,6 @@ def kv_write(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slo
         KEY_FP8=preset.key_fp8, KEY_BITS=preset.key_bits, KEY_CODE_BYTES=preset.key_code_bytes,
         VALUE_BITS=preset.value_bits, VALUE_OFFSET=preset.key_bytes, VALUE_CODE_BYTES=preset.value_code_bytes,
         PAD=pad,
-        BLOCK_M=block_m, BLOCK_R=block_r,
+        BLOCK_M=block_m, BLOCK_R=block_r, KEY_PARTS=key_parts, VALUE_PARTS=max(1, value_parts),
         num_warps=4,
     )

@@ -102,19 +102,25 @@ def _attention_both(preset, group, dtype, new_tokens, lengths, seed, pad=0, fill
     return out, expected
 
 
+@pytest.mark.parametrize("tokens", [37, 5], ids=["row_blocks", "split_parts"])
 @pytest.mark.parametrize("dim", HEAD_DIMS)
 @pytest.mark.parametrize("preset_name", PRESETS)
-def test_kv_write_bytes_equal_the_codec(preset_name, dim):
+def test_kv_write_bytes_equal_the_codec(preset_name, dim, tokens):
+    """Many rows: one program per row block writes whole slots; few rows (a decode step): Lloyd-Max presets
+    spread each row block over key and value parts."""
+    from tqkv_compile.lowerings.triton_kv_write import launch_shape
+
     preset = get_preset(preset_name, dim)
+    parts = launch_shape(tokens * KV_HEADS, preset, torch.device("cpu"))[2]
+    assert (parts > 0) == (tokens == 5 and not preset.key_fp8)
     gen = torch.Generator().manual_seed(dim)
-    tokens = 37
     dtype = (torch.bfloat16, torch.float16, torch.float32)[HEAD_DIMS.index(dim)]
     key = (torch.randn(tokens, KV_HEADS, dim, generator=gen) * 3).to(dtype)
-    key[5] *= 300  # beyond fp8's 448: saturates
+    key[min(5, tokens - 1)] *= 300  # beyond fp8's 448: saturates
     value = torch.randn(tokens, KV_HEADS, dim, generator=gen).to(dtype)
-    value[7] = 0.5  # a constant vector: the minimum scale
+    value[min(7, tokens - 2)] = 0.5  # a constant vector: the minimum scale
     slots = torch.randperm(12 * BLOCK, generator=gen)[:tokens]
-    slots[[3, 20]] = -1  # skipped
+    slots[[3, min(20, tokens - 1)]] = -1  # skipped
     cache = _strided_cache(preset, 12)
     expected = cache.clone()
     get_backend("reference").kv_write(key, value, expected, slots, preset)
