@@ -109,11 +109,27 @@ def _general_kv_write_kernel(
     VALUE_BITS: tl.constexpr, VALUE_WIDE: tl.constexpr, VALUE_OFFSET: tl.constexpr,
     VALUE_CODE_BYTES: tl.constexpr, PAD: tl.constexpr,
     KM: tl.constexpr, KMW: tl.constexpr, VM: tl.constexpr, VMW: tl.constexpr,
-    BLOCK_M: tl.constexpr,
+    BLOCK_M: tl.constexpr, SPLIT: tl.constexpr,
 ):
+    """SPLIT: grid (row blocks, 2), program (i, 0) writes the keys, (i, 1) the values (few rows: a program's
+    latency is the kernel's time); else grid (row blocks, 1), whole slots."""
     tok, head, keep, base = _write_rows(slot_ptr, n_rows, num_kv_heads, s_blk, s_pos, s_head, BLOCK_SIZE, BLOCK_M)
     d = tl.arange(0, D)
+    if not SPLIT or tl.program_id(1) == 0:
+        _general_write_keys(key_ptr, cache_ptr, rot_ptr, mid_ptr, tok, head, keep, base, s_kt, s_kh, s_kd, s_byte,
+                            FP8_MAX, D, KEY_BITS, KEY_WIDE, KEY_CODE_BYTES, OUTLIERS, KM, KMW, BLOCK_M)
+    if not SPLIT or tl.program_id(1) == 1:
+        _general_write_values(value_ptr, cache_ptr, rot_ptr, mid_ptr, tok, head, keep, base, s_vt, s_vh, s_vd,
+                              s_byte, D, VALUE_BITS, VALUE_WIDE, VALUE_OFFSET, VALUE_CODE_BYTES, PAD, VM, VMW,
+                              BLOCK_M)
 
+
+@triton.jit
+def _general_write_keys(key_ptr, cache_ptr, rot_ptr, mid_ptr, tok, head, keep, base, s_kt, s_kh, s_kd, s_byte,
+                        FP8_MAX: tl.constexpr, D: tl.constexpr, KEY_BITS: tl.constexpr, KEY_WIDE: tl.constexpr,
+                        KEY_CODE_BYTES: tl.constexpr, OUTLIERS: tl.constexpr, KM: tl.constexpr,
+                        KMW: tl.constexpr, BLOCK_M: tl.constexpr):
+    d = tl.arange(0, D)
     k = tl.load(key_ptr + tok[:, None].to(tl.int64) * s_kt + head[:, None] * s_kh + d[None, :] * s_kd,
                 mask=keep[:, None], other=0.0).to(tl.float32)
     if OUTLIERS:
@@ -132,6 +148,13 @@ def _general_kv_write_kernel(
         fp8 = _fp8e4m3_bits(tl.minimum(tl.maximum(outlier, -FP8_MAX), FP8_MAX)).to(tl.uint8)
         tl.store(cache_ptr + base + (KEY_CODE_BYTES + 3) * s_byte, fp8, mask=keep)
 
+
+@triton.jit
+def _general_write_values(value_ptr, cache_ptr, rot_ptr, mid_ptr, tok, head, keep, base, s_vt, s_vh, s_vd, s_byte,
+                          D: tl.constexpr, VALUE_BITS: tl.constexpr, VALUE_WIDE: tl.constexpr,
+                          VALUE_OFFSET: tl.constexpr, VALUE_CODE_BYTES: tl.constexpr, PAD: tl.constexpr,
+                          VM: tl.constexpr, VMW: tl.constexpr, BLOCK_M: tl.constexpr):
+    d = tl.arange(0, D)
     v = tl.load(value_ptr + tok[:, None].to(tl.int64) * s_vt + head[:, None] * s_vh + d[None, :] * s_vd,
                 mask=keep[:, None], other=0.0).to(tl.float32)
     vnorm = _encode_lloyd_max(v, rot_ptr, mid_ptr, cache_ptr, base, s_byte, keep, VALUE_OFFSET, VALUE_BITS,
@@ -149,8 +172,11 @@ def kv_write(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slo
     rows = tokens * heads
     if rows == 0:
         return
+    from tqkv_compile.lowerings.triton_attention import _sm_count
+
     block_m = 16
-    _general_kv_write_kernel[(triton.cdiv(rows, block_m),)](
+    split = triton.cdiv(rows, block_m) < _sm_count(key.device)  # few rows: keys and values in parallel
+    _general_kv_write_kernel[(triton.cdiv(rows, block_m), 2 if split else 1)](
         key, value, kv_cache, slot_mapping, rotation, midpoints, rows, heads,
         *key.stride(), *value.stride(), *kv_cache.stride(),
         FP8_MAX=FP8_MAX, D=dim, BLOCK_SIZE=kv_cache.shape[1],
@@ -158,7 +184,8 @@ def kv_write(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slo
         OUTLIERS=preset.key_outliers, VALUE_BITS=preset.value_bits, VALUE_WIDE=preset.value_wide_coords,
         VALUE_OFFSET=preset.key_bytes, VALUE_CODE_BYTES=preset.value_code_bytes,
         PAD=preset.slot_bytes - preset.key_bytes - preset.value_bytes,
-        KM=offsets["KM"], KMW=offsets["KMW"], VM=offsets["VM"], VMW=offsets["VMW"], BLOCK_M=block_m, num_warps=4,
+        KM=offsets["KM"], KMW=offsets["KMW"], VM=offsets["VM"], VMW=offsets["VMW"], BLOCK_M=block_m, SPLIT=split,
+        num_warps=4,
     )
 
 

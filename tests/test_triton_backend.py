@@ -455,12 +455,13 @@ def test_presets_of_ours_in_the_triton_kernels(preset_name, dim):
     value = torch.randn(tokens, KV_HEADS, dim, generator=gen).to(torch.float16)
     slots = torch.randperm(12 * BLOCK, generator=gen)[:tokens]
     slots[4] = -1
-    cache = _strided_cache(preset, 12, fill=0)
-    expected = cache.clone()
-    get_backend("reference").kv_write(key, value, expected, slots, preset)
-    get_backend("triton").kv_write(key, value, cache, slots, preset)
-    differing = int((cache != expected).sum())
-    assert differing <= 2, f"{differing} of {tokens * KV_HEADS * preset.slot_bytes} bytes differ"
+    for n in (tokens, 5):  # whole slots per program; few rows: keys and values in programs of their own
+        cache = _strided_cache(preset, 12, fill=0)
+        expected = cache.clone()
+        get_backend("reference").kv_write(key[:n], value[:n], expected, slots[:n], preset)
+        get_backend("triton").kv_write(key[:n], value[:n], cache, slots[:n], preset)
+        differing = int((cache != expected).sum())
+        assert differing <= 2, f"{n} tokens: {differing} of {n * KV_HEADS * preset.slot_bytes} bytes differ"
 
     out, reference = _attention_both(preset, 4, torch.float16, [1, 3, 1], [5, 40, 70], seed=dim)
     torch.testing.assert_close(out.float(), reference.float(), **_tolerance(torch.float16))
