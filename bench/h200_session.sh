@@ -158,7 +158,7 @@ variants)
         (cd /tmp && PYTHONPATH=$OLDPWD/$v:/tmp/site timeout 150 python3 -c "import sys, runpy, tqkv_compile.lowerings as l
 print('package:', l.__file__, file=sys.stderr); sys.argv[0] = 'bench_kernels'
 runpy.run_module('tqkv_compile.bench_kernels', run_name='__main__')" --presets "$VARIANT_PRESETS" \
-            --cases ${VARIANT_CASES:-64x32768,1x32768,64x4096} --write-tokens 64,8192 --out "$OUT/v-$tag.json" \
+            --cases ${VARIANT_CASES:-64x32768,1x32768,64x4096} --write-tokens ${VARIANT_WRITE_TOKENS:-64,8192} --out "$OUT/v-$tag.json" \
             $([ "$v" = "$first" ] && [ "$tag" = "$name" ] || echo --no-baselines)) >> "$OUT/variants.log" 2>&1
         grep -E "package:|^ *(decode|kv_write)|Error" "$OUT/variants.log" | tail -12
     done
