@@ -114,7 +114,6 @@ def _general_kv_write_kernel(
     """SPLIT: grid (row blocks, 2), program (i, 0) writes the keys, (i, 1) the values (few rows: a program's
     latency is the kernel's time); else grid (row blocks, 1), whole slots."""
     tok, head, keep, base = _write_rows(slot_ptr, n_rows, num_kv_heads, s_blk, s_pos, s_head, BLOCK_SIZE, BLOCK_M)
-    d = tl.arange(0, D)
     if not SPLIT or tl.program_id(1) == 0:
         _general_write_keys(key_ptr, cache_ptr, rot_ptr, mid_ptr, tok, head, keep, base, s_kt, s_kh, s_kd, s_byte,
                             FP8_MAX, D, KEY_BITS, KEY_WIDE, KEY_CODE_BYTES, OUTLIERS, KM, KMW, BLOCK_M)

@@ -215,6 +215,26 @@ def test_whole_prompts_given_the_steps_keys_take_them_as_they_are(preset_name, m
     torch.testing.assert_close(out.float(), expected.float(), **_tolerance(torch.bfloat16))
 
 
+@pytest.mark.parametrize("lens,new", [((9, 1, 3, 7, 20), (0, 1, 3, 2, 1)), ((1, 9, 7), (1, 1, 1))],
+                         ids=["one_token_prompt_and_an_idle_sequence", "one_token_each"])
+@pytest.mark.parametrize("padding", [0, 2])
+def test_whole_prompt_rule_is_the_references_at_the_edges(lens, new, padding):
+    """A sequence with no new token, a one-token whole prompt beside a continuation and decodes, a batch of one
+    new token each (whole prompts not looked at), each with padding rows past query_start_loc[-1] (zero in both
+    backends): the Triton backend and the reference agree."""
+    from paged import build, step_kv
+
+    s = build("turboquant_4bit_nc", lens=lens, new=new, group=2, block_size=BLOCK, seed=8)
+    key, value = step_kv(s)
+    pad = lambda t: torch.cat([t, torch.randn(padding, *t.shape[1:]).to(t.dtype)])  # noqa: E731
+    query, key, value = pad(s.query), pad(key), pad(value)
+    args = (query, s.kv_cache, s.block_table, s.seq_lens, s.query_start_loc, 0.125, get_preset("turboquant_4bit_nc", 64))
+    out = get_backend("triton").attention(*args, key=key, value=value)
+    expected = get_backend("reference").attention(*args, key=key, value=value)
+    torch.testing.assert_close(out.float(), expected.float(), **_tolerance(torch.bfloat16))
+    assert not out[s.query.shape[0]:].any() and not expected[s.query.shape[0]:].any()
+
+
 def test_whole_prompts_in_one_varlen_call():
     """With a FlashAttention varlen function the whole prompts go in one call over their own rows (same
     cumulative lengths for queries and keys), written in place when their rows are one slice."""
@@ -455,8 +475,10 @@ def test_presets_of_ours_in_the_triton_kernels(preset_name, dim):
     value = torch.randn(tokens, KV_HEADS, dim, generator=gen).to(torch.float16)
     slots = torch.randperm(12 * BLOCK, generator=gen)[:tokens]
     slots[4] = -1
-    for n in (tokens, 5):  # whole slots per program; few rows: keys and values in programs of their own
-        cache = _strided_cache(preset, 12, fill=0)
+    # whole slots per program, then few rows: keys and values in programs of their own; each over a cache of
+    # zeros and of 0xFF, so that a byte left unwritten shows
+    for n, fill in ((tokens, 0), (tokens, 255), (5, 0), (5, 255)):
+        cache = _strided_cache(preset, 12, fill=fill)
         expected = cache.clone()
         get_backend("reference").kv_write(key[:n], value[:n], expected, slots[:n], preset)
         get_backend("triton").kv_write(key[:n], value[:n], cache, slots[:n], preset)

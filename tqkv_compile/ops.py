@@ -101,7 +101,8 @@ def check_attention(query, kv_cache, block_table, seq_lens, query_start_loc, pre
     _check_query(query, kv_cache)
     p = _check_cache(kv_cache, preset, query.shape[-1])
     if (key is None) != (value is None):
-        raise ValueError(f"{'value' if key is None else 'key'}: key and value come together (or neither)")
+        missing = "value" if value is None else "key"
+        raise ValueError(f"{missing}: missing; the step's key and value come together (or neither)")
     for name, t in (("key", key), ("value", value)):
         if t is None:
             continue
@@ -179,8 +180,8 @@ def attention(
     ``key`` / ``value`` [T, Hk, D] (optional): the step's keys and values, one row per query row (what
     ``kv_write`` stored this step). Given them, a sequence whose new tokens are all its tokens (a whole prompt)
     attends them as they are instead of reading its slots back through the codec, as vLLM's TurboQuant does
-    for a first chunk. Not looked at (the cache is read) in a batch with no more query rows than sequences
-    (pure decode: no host read) nor inside CUDA-graph capture."""
+    for a first chunk. Not looked at (the cache is read) in a batch with no more query rows
+    (``query_start_loc[-1]``) than sequences (pure decode) nor inside CUDA-graph capture."""
     p = check_attention(query, kv_cache, block_table, seq_lens, query_start_loc, preset, key, value)
     own = {} if key is None else dict(key=key, value=value)
     backend = backends.select_backend(query.device, p)

@@ -43,8 +43,9 @@ def plan(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, rows: int,
 
     Whole prompts (only with ``whole_prompts``: the op was handed the step's keys and values) are the
     sequences whose new tokens are all their tokens, however few; dense ones are the others with more than
-    DENSE_MIN_NEW_TOKENS new tokens. A batch of one new token per sequence is never looked at (pure decode:
-    no host read; a one-token prompt there reads its slot like the rest)."""
+    DENSE_MIN_NEW_TOKENS new tokens. A batch with no more query rows than sequences (pure decode) has no whole
+    prompts: a one-token prompt there reads its slot like the rest (no host read where the padded row count
+    already says so)."""
     num_seqs = seq_lens.shape[0]
     if rows <= num_seqs or (rows <= DENSE_MIN_NEW_TOKENS and not whole_prompts):
         return None
@@ -53,7 +54,9 @@ def plan(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, rows: int,
     host = torch.cat([query_start_loc[: num_seqs + 1], seq_lens.to(query_start_loc.dtype)]).tolist()
     starts, lengths = host[: num_seqs + 1], host[num_seqs + 1 :]
     news = [starts[b + 1] - starts[b] for b in range(num_seqs)]
-    whole = [b for b in range(num_seqs) if 0 < news[b] == lengths[b]] if whole_prompts else []
+    # whole prompts only in a batch with more query rows (query_start_loc[-1], not the padded row count) than
+    # sequences: a batch of one new token per sequence reads the cache (the reference's rule too)
+    whole = [b for b in range(num_seqs) if 0 < news[b] == lengths[b]] if whole_prompts and starts[-1] > num_seqs else []
     taken = set(whole)
     dense = [b for b in range(num_seqs) if news[b] > DENSE_MIN_NEW_TOKENS and b not in taken]
     return (starts, lengths, dense, whole) if dense or whole else None

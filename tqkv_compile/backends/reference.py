@@ -55,7 +55,7 @@ class ReferenceBackend:
     def attention(self, query, kv_cache, block_table, seq_lens, query_start_loc, scale, preset: Preset, key=None,
                   value=None):
         """Every sequence through the codec, except, given the step's ``key`` and ``value``, whole prompts in a
-        batch with more query rows than sequences: they attend those rows as they are."""
+        batch with more query rows (``query_start_loc[-1]``) than sequences: they attend those rows as they are."""
         out = torch.zeros_like(query)
         kv_heads = kv_cache.shape[2]
         group = query.shape[1] // kv_heads
@@ -69,7 +69,7 @@ class ReferenceBackend:
             new = end - start
             if new <= 0:
                 continue
-            if key is not None and new == length and query.shape[0] > len(lengths):  # a whole prompt: as given
+            if key is not None and new == length and starts[-1] > len(lengths):  # a whole prompt: as given
                 keys, values, q = key[start:end].float(), value[start:end].float(), query[start:end].float()
             else:
                 keys, values = decoded_keys_values(kv_cache, block_table[b], length, preset)

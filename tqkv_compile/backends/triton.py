@@ -116,7 +116,7 @@ class TritonBackend:
         if planned is None:
             return self.decode_kernels(query, kv_cache, block_table, seq_lens, query_start_loc, scale, preset)
         starts, lengths, dense, whole = planned
-        out = torch.empty_like(query)
+        out = torch.zeros_like(query)  # rows past query_start_loc[-1] (padding) stay zero, as the reference's
         short = sorted(set(range(seq_lens.shape[0])) - set(dense) - set(whole))
         if short:
             if short == list(range(len(short))):  # vLLM's order: decodes first, so usually a plain prefix
