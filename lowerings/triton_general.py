@@ -36,7 +36,7 @@ from tqkv_compile.lowerings.triton_attention import (LOG2E, _load_fp16, _merge_k
                                                       _tile_base, num_splits)
 from tqkv_compile.lowerings.triton_dequant import dense_outputs
 from tqkv_compile.lowerings.triton_kv_dot import _logit_tile, _store_logits
-from tqkv_compile.lowerings.triton_kv_write import _fp8e4m3_bits, _store_fp16, _store_packed, _write_rows
+from tqkv_compile.lowerings.triton_kv_write import _fp8e4m3_bits, _store_fp16, _store_packed, _write_rows, few_rows
 
 CHUNK = 16  # rotation / packing chunk: divides every wide run (a multiple of 16 coordinates at head >= 64)
 
@@ -171,10 +171,8 @@ def kv_write(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slo
     rows = tokens * heads
     if rows == 0:
         return
-    from tqkv_compile.lowerings.triton_attention import _sm_count
-
     block_m = 16
-    split = triton.cdiv(rows, block_m) < _sm_count(key.device)  # few rows: keys and values in parallel
+    split = few_rows(rows, key.device)  # keys and values in programs of their own
     _general_kv_write_kernel[(triton.cdiv(rows, block_m), 2 if split else 1)](
         key, value, kv_cache, slot_mapping, rotation, midpoints, rows, heads,
         *key.stride(), *value.stride(), *kv_cache.stride(),

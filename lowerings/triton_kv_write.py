@@ -178,6 +178,14 @@ def _kv_write_kernel(
                           BLOCK_M)
 
 
+def few_rows(rows: int, device: torch.device) -> bool:
+    """Whether ``rows`` (token, kv head) rows make fewer 16-row blocks than the GPU has SMs: a decode step's
+    write, whose time is one program's latency; both write launchers then spread a block over more programs."""
+    from tqkv_compile.lowerings.triton_attention import _sm_count
+
+    return triton.cdiv(rows, 16) < _sm_count(device)
+
+
 def launch_shape(rows: int, preset: Preset, device: torch.device) -> tuple[int, int, int, int]:
     """(rows per program, rotation columns per dot, key parts, value parts) for ``rows`` (token, kv head) rows;
     0 key parts: one program writes a row block's whole slots."""
@@ -188,11 +196,12 @@ def launch_shape(rows: int, preset: Preset, device: torch.device) -> tuple[int, 
         # no dot on fp8 keys, so any row count per program works: few rows (a decode step's 64 tokens x 8 kv
         # heads) get programs of 4 rows, enough to spread over the GPU; many rows keep 16
         return int(min(16, max(4, triton.next_power_of_2(max(rows // (2 * _sm_count(device)), 1))))), min(dim, 64), 0, 0
-    if triton.cdiv(rows, 16) < _sm_count(device):
-        # few rows (decode steps): a program's latency is the kernel's time (39 us at one token, 32 rows a
-        # program, on the H200 in an engine), so each 16-row block is spread over 32-coordinate key parts and
-        # two value parts (the dot needs 16 rows)
-        return 16, min(dim, 32), dim // min(dim, 32), 2
+    if few_rows(rows, device):
+        # a program's latency is the kernel's time (39 us at one token, 32 rows a program, on the H200 in an
+        # engine), so each 16-row block is spread over 32-coordinate key parts and two value parts (the dot
+        # needs 16 rows)
+        width = min(dim, 32)
+        return 16, width, dim // width, 2
     return 32, min(dim, 64), 0, 0  # the rotation is a tf32 dot: at least 16 rows
 
 

@@ -56,7 +56,9 @@ def plan(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, rows: int,
     news = [starts[b + 1] - starts[b] for b in range(num_seqs)]
     # whole prompts only in a batch with more query rows (query_start_loc[-1], not the padded row count) than
     # sequences: a batch of one new token per sequence reads the cache (the reference's rule too)
-    whole = [b for b in range(num_seqs) if 0 < news[b] == lengths[b]] if whole_prompts and starts[-1] > num_seqs else []
+    whole = []
+    if whole_prompts and starts[-1] > num_seqs:
+        whole = [b for b in range(num_seqs) if 0 < news[b] == lengths[b]]
     taken = set(whole)
     dense = [b for b in range(num_seqs) if news[b] > DENSE_MIN_NEW_TOKENS and b not in taken]
     return (starts, lengths, dense, whole) if dense or whole else None
