@@ -746,12 +746,34 @@ def _sm_count(device: torch.device) -> int:
     return _SM_COUNT[index]
 
 
-def num_splits(rows: int, kv_heads: int, max_len: int, device: torch.device, block_n: int) -> int:
-    """Splits per (row, kv head): enough programs to fill the GPU ~4 times, each split >= 4 tiles.
-    From shapes only, so a CUDA graph captured at one shape replays at it."""
-    wanted = triton.cdiv(4 * _sm_count(device), max(rows * kv_heads, 1))
-    most = max(1, max_len // (4 * block_n))
-    return int(max(1, min(wanted, most, 64)))
+def num_splits(rows: int, kv_heads: int, max_len: int, device: torch.device, block_n: int,
+               programs_per_sm: int | None = None) -> int:
+    """Splits per (row, kv head), from shapes only, so a CUDA graph captured at one shape replays at it.
+
+    With ``programs_per_sm`` (how many of the kernel's programs an SM holds at once: the stream kernel's
+    register cap fixes it) the split count minimises a wave model of the launch: time ~ waves x (tiles per
+    program + 2), waves = ceil(programs / resident slots). It fits the H200's split sweep
+    (``h200-tune.json``, 2026-12-04): 4bit_nc 1x32768 58.9 us at 48 splits against 66.7 at 64 (two waves of
+    512 programs on 396 slots), k8v4 16x8192 132.8 at 4 against 163.9 at 5. Without it (the word and byte
+    kernels, the interpreter): enough programs to fill the GPU ~4 times, each split >= 4 tiles."""
+    pairs = max(rows * kv_heads, 1)
+    if programs_per_sm is None:
+        wanted = triton.cdiv(4 * _sm_count(device), pairs)
+        most = max(1, max_len // (4 * block_n))
+        return int(max(1, min(wanted, most, 64)))
+    slots = programs_per_sm * _sm_count(device)
+    tiles = max(1, triton.cdiv(max_len, block_n))
+
+    def cost(splits: int) -> int:
+        return triton.cdiv(pairs * splits, slots) * (triton.cdiv(tiles, splits) + 2)
+
+    return min(range(1, min(tiles, 128) + 1), key=lambda s: (cost(s), s))
+
+
+def programs_per_sm(maxnreg: int, num_warps: int) -> int:
+    """Programs an SM holds at once under a register cap (64K registers an SM, allocated per warp in 256s)."""
+    per_warp = triton.cdiv(maxnreg * 32, 256) * 256
+    return max(1, 65536 // (per_warp * num_warps))
 
 
 def _base_offset(t: torch.Tensor) -> int:
@@ -899,7 +921,8 @@ def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: t
     if num_stages is None and kernel == "words" and preset.key_bits == 4:
         num_stages = 3
     if splits is None:
-        splits = num_splits(rows, kv_heads, max_len, query.device, block_n)
+        occupancy = None if maxnreg is None else programs_per_sm(maxnreg, num_warps or 4)
+        splits = num_splits(rows, kv_heads, max_len, query.device, block_n, occupancy)
     part_out = torch.empty(rows, heads, splits, dim, dtype=torch.float32, device=query.device)
     part_lse = torch.empty(rows, heads, splits, dtype=torch.float32, device=query.device)
     num_seqs = seq_lens.shape[0]

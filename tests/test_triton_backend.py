@@ -420,6 +420,37 @@ def test_split_kv_merge_handles_empty_splits():
     torch.testing.assert_close(out.float(), expected.float(), **_tolerance(torch.float16))
 
 
+def test_stream_kernel_with_more_splits_than_tiles():
+    """The split counts the wave model picks at one sequence (up to 128) leave most splits of a short
+    sequence empty and others a single partial tile."""
+    preset = get_preset("turboquant_4bit_nc", 64)
+    out, expected = _attention_both(preset, 4, torch.float16, [1, 1, 2], [37, 5, 70], seed=5, fill=0xFF,
+                                    kernel="stream", block_n=16, splits=47)
+    assert not out.isnan().any()
+    torch.testing.assert_close(out.float(), expected.float(), **_tolerance(torch.float16))
+
+
+def test_split_count_follows_the_wave_model(monkeypatch):
+    """With the programs an SM holds, the split count keeps small grids to one wave of resident programs and
+    never picks a count whose last wave is mostly empty (H200: 132 SMs; 4bit_nc's stream kernel, capped at
+    168 registers x 4 warps, holds 3 programs an SM; k8v4's at 128 holds 4)."""
+    from tqkv_compile.lowerings import triton_attention as ta
+
+    monkeypatch.setattr(ta, "_sm_count", lambda device: 132)
+    cuda = torch.device("cuda")
+    assert ta.programs_per_sm(168, 4) == 3 and ta.programs_per_sm(128, 4) == 4 and ta.programs_per_sm(255, 8) == 1
+    # one sequence, 8 kv heads, 32768 positions in 64-position tiles: 396 slots hold 8 x 47 programs at once
+    # (the old rule's 64 splits made 512 programs: two waves, the second a third full)
+    splits = ta.num_splits(1, 8, 32768, cuda, 64, 3)
+    assert 8 * splits <= 396 and splits >= 40
+    assert ta.num_splits(16, 8, 8192, cuda, 128, 4) == 4  # 512 programs on 528 slots, not 640 (measured 1.23x)
+    assert ta.num_splits(1, 8, 4096, cuda, 64, 3) == 32  # every split 2 tiles, one wave
+    for rows, length in [(1, 100), (3, 16), (64, 4096), (512, 32768)]:  # never more splits than tiles, nor 128
+        assert 1 <= ta.num_splits(rows, 8, length, cuda, 64, 3) <= min(128, -(-length // 64))
+    # without an occupancy (word / byte kernels, the interpreter) the earlier rule stands
+    assert ta.num_splits(1, 8, 32768, cuda, 64) == 64
+
+
 @pytest.mark.parametrize("dim", HEAD_DIMS)
 @pytest.mark.parametrize("preset_name", PRESETS)
 def test_kv_dot_logits_match_reference(preset_name, dim):
