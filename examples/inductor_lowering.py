@@ -8,8 +8,8 @@ compiled step against eager and against the reference backend.
     python examples/inductor_lowering.py            # CUDA if present, else the CPU (reference fallback)
     python examples/inductor_lowering.py --show 40  # more of the generated code
 
-On CUDA the generated code defines and launches ``_kv_write_kernel``, ``_decode_stream_kernel`` and
-``_merge_kernel`` itself; on the CPU it calls ``tqkv::kv_write`` / ``tqkv::attention`` (reference backend).
+On CUDA the generated code defines and launches ``_kv_write_kernel``, ``_prepare_query_kernel``,
+``_decode_stream_kernel`` and ``_merge_kernel`` itself; on the CPU it calls ``tqkv::kv_write`` / ``tqkv::attention`` (reference backend).
 """
 
 from __future__ import annotations
@@ -69,8 +69,8 @@ def main() -> int:
                                       table, seq_lens, query_start_loc)
     source = "\n".join(code)
     launches = [line.strip() for line in source.splitlines()
-                if re.search(r"(_kv_write_kernel|_decode_\w+_kernel|_merge_kernel)\w*\.run\(|tqkv\.(kv_write|attention)", line)]
-    kernels = sorted(set(re.findall(r"def (_kv_write_kernel|_decode_\w+_kernel|_merge_kernel)\(", source)))
+                if re.search(r"(_kv_write_kernel|_prepare_query_kernel|_decode_\w+_kernel|_merge_kernel)\w*\.run\(|tqkv\.(kv_write|attention)", line)]
+    kernels = sorted(set(re.findall(r"def (_kv_write_kernel|_prepare_query_kernel|_decode_\w+_kernel|_merge_kernel)\(", source)))
     print(f"device {dev}, preset {preset.name}, head {preset.head_dim}: {len(code)} generated module(s)")
     print(f"Triton kernels defined in the generated code: {kernels or 'none (reference fallback)'}")
     print("launches / calls in the generated code:")

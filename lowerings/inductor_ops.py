@@ -7,9 +7,9 @@ function of preset and shape chosen by measurement (``default_kernel`` and the d
 ``decode_attention``, from the H200 sweeps), its input is a packed byte cache no Inductor node produces, and
 its output feeds the o_proj matmul, which does not fuse into it; the split-KV merge is a second kernel either
 way. What Inductor can do with a ``triton_op`` is what matters here: it traces the launcher (``decode_attention``
-with ``torch.library.wrap_triton``) into the graph, so the rotation matmul, the scratch allocations and both
-kernel launches appear in the generated code as ordinary nodes and user-defined Triton kernels (no call back
-into Python), and they are captured by CUDA graphs with the rest. The tables (rotation, centroids, lookup
+with ``torch.library.wrap_triton``) into the graph, so the scratch allocations and the kernel launches (query
+preparation, decode, merge) appear in the generated code as ordinary nodes and user-defined Triton kernels (no
+call back into Python), and they are captured by CUDA graphs with the rest. The tables (rotation, centroids, lookup
 tables) are op inputs so that the traced graph holds no Python-side caches.
 
 Off CUDA the ops are ``tqkv::kv_write`` / ``tqkv::attention`` themselves (checked, reference backend): Inductor

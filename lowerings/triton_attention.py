@@ -704,6 +704,51 @@ def _decode_stream_kernel(
     tl.store(part_lse_ptr + part, m_i + tl.log2(l_i), mask=head_ok)
 
 
+@triton.jit
+def _prepare_query_kernel(q_ptr, rot_ptr, order_ptr, out_ptr, pairs, heads, s_qt, s_qh, s_qd,
+                          D: tl.constexpr, SCALE: tl.constexpr, ROTATE: tl.constexpr, ORDERED: tl.constexpr,
+                          BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """out[t, h, :] = (q[t, h, :] @ rot[:, order]) * SCALE in fp32 for BLOCK_M (token, head) pairs a program;
+    without ROTATE, q[t, h, order] * SCALE. The decode kernels' query in one launch (it was a cast, a matmul
+    and a multiply: three launches of ~2-4 us each at decode). The product is an fp32 FMA dot ("ieee"), as
+    precise as the fp32 matmul it replaces."""
+    m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    ok = m < pairs
+    row = (m // heads) * s_qt + (m % heads) * s_qh
+    d = tl.arange(0, D)
+    cols = tl.load(order_ptr + d) if ORDERED else d
+    if ROTATE:
+        acc = tl.zeros((BLOCK_M, D), tl.float32)
+        for k0 in tl.static_range(0, D, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            q = tl.load(q_ptr + row[:, None] + k[None, :] * s_qd, mask=ok[:, None], other=0.0).to(tl.float32)
+            r = tl.load(rot_ptr + k[:, None] * D + cols[None, :])
+            acc = tl.dot(q, r, acc, input_precision="ieee")
+    else:
+        acc = tl.load(q_ptr + row[:, None] + cols[None, :] * s_qd, mask=ok[:, None], other=0.0).to(tl.float32)
+    tl.store(out_ptr + m[:, None] * D + d[None, :], acc * SCALE, mask=ok[:, None])
+
+
+def prepare_query(query: torch.Tensor, rotation: torch.Tensor | None, order: torch.Tensor | None, scale: float,
+                  launch=None) -> torch.Tensor:
+    """The decode kernels' query [T, Hq, D] fp32: rotated (``rotation``, [D, D] fp32, None for fp8 keys),
+    its columns in ``order`` (the word kernel's; None: natural), times ``scale`` (softmax scale x log2 e). The
+    scale is a compile-time constant of the kernel: a float argument would be fp64 where Inductor launches it."""
+    rows, heads, dim = query.shape
+    out = torch.empty(rows, heads, dim, dtype=torch.float32, device=query.device)
+    if rows == 0:
+        return out
+    pairs = rows * heads
+    block_m = 16
+    (launch or _plain_launch)(_prepare_query_kernel)[(triton.cdiv(pairs, block_m),)](
+        query, rotation.contiguous() if rotation is not None else query, order if order is not None else query, out,
+        pairs, heads, *query.stride(),
+        D=dim, SCALE=float(scale), ROTATE=rotation is not None, ORDERED=order is not None,
+        BLOCK_M=block_m, BLOCK_K=min(32, dim), num_warps=4,
+    )
+    return out
+
+
 def key_column_order(preset: Preset, dim: int) -> torch.Tensor:
     """Coordinate held by each column of the word kernel's key tile (see :func:`_decode_words_kernel`)."""
     c = torch.arange(dim)
@@ -935,8 +980,7 @@ def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: t
         words = stream_words(preset, kv_cache, asm=asm and not interpret)
         if words is None:
             raise ValueError(f"the stream kernel cannot read {preset.name} from this cache view")
-        q = query.float() if preset.key_fp8 else torch.matmul(query.float(), rotation)
-        q = q * (scale * LOG2E)
+        q = prepare_query(query, None if preset.key_fp8 else rotation, None, scale * LOG2E, launch)
         lut = lut if lut is not None else key_lut(preset, query.device)
         launch(_decode_stream_kernel)[(rows, kv_heads, splits)](
             q, kv_cache, block_table, seq_lens, query_start_loc, centroids, lut, part_out, part_lse,
@@ -951,22 +995,17 @@ def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: t
             **({} if maxnreg is None else {"maxnreg": maxnreg}),
         )
     elif kernel == "words":
-        # The query, rotated (Lloyd-Max keys), permuted to the key tile's column order and scaled once,
-        # log2(e) folded in for exp2: one small matmul (the permutation rides in the rotation matrix).
-        order = column_order(preset, query.device)
-        if preset.key_fp8:
-            q = query.float()[..., order] * (scale * LOG2E)
-        else:
-            q = torch.matmul(query.float(), rotation[:, order] * (scale * LOG2E))
+        # the query rotated (Lloyd-Max keys), permuted to the key tile's column order and scaled (log2 e folded
+        # in for exp2) in one launch
+        q = prepare_query(query, None if preset.key_fp8 else rotation, column_order(preset, query.device),
+                          scale * LOG2E, launch)
         launch(_decode_words_kernel)[(rows, kv_heads, splits)](
             q, kv_cache, block_table, seq_lens, query_start_loc, centroids, part_out, part_lse,
             num_seqs, max_len, *q.stride(), *block_table.stride(), *kv_cache.stride()[:3],
             **common, num_warps=num_warps or 4, num_stages=num_stages or 2,
         )
     else:
-        # The query, rotated (Lloyd-Max keys) and scaled once; log2(e) folded in for exp2. (Host side: a float
-        # kernel argument would be fp64 when Inductor launches the kernel.)
-        q = (query.float() if preset.key_fp8 else torch.matmul(query.float(), rotation)) * (scale * LOG2E)
+        q = prepare_query(query, None if preset.key_fp8 else rotation, None, scale * LOG2E, launch)
         launch(_decode_split_kernel)[(rows, kv_heads, splits)](
             q, kv_cache, block_table, seq_lens, query_start_loc, centroids, part_out, part_lse,
             num_seqs, max_len,

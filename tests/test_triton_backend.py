@@ -699,3 +699,21 @@ def test_vllm_layout_kernels_refuse_a_preset_of_ours(op):
             "kv_dot": lambda: triton_kv_dot.kv_dot(x, cache, table, lens, 0.125, preset, eye, eye)}[op]
     with pytest.raises(ValueError, match="not one of vLLM's slot layouts"):
         call()
+
+
+@pytest.mark.parametrize("dim", HEAD_DIMS)
+@pytest.mark.parametrize("rotate, ordered", [(True, False), (True, True), (False, True), (False, False)])
+def test_query_preparation_equals_the_fp32_matmul(dim, rotate, ordered):
+    """The decode kernels' query in one launch: rotated, columns reordered, scaled, in fp32 as the matmul it
+    replaced; rows x heads not a multiple of the program's 16 pairs, a strided query view."""
+    from tqkv_compile.lowerings.triton_attention import key_column_order, prepare_query
+
+    gen = torch.Generator().manual_seed(dim)
+    query = torch.randn(5, 2 * 3, dim + 8, generator=gen).to(torch.bfloat16)[..., 4: dim + 4]
+    rotation = torch.linalg.qr(torch.randn(dim, dim, generator=gen))[0].contiguous() if rotate else None
+    order = key_column_order(get_preset("turboquant_4bit_nc", dim), dim) if ordered else None
+    out = prepare_query(query, rotation, order, 0.3)
+    expected = query.float() @ rotation if rotate else query.float()
+    expected = (expected[..., order] if ordered else expected) * 0.3
+    assert out.dtype == torch.float32 and out.is_contiguous()
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
