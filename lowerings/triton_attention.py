@@ -799,8 +799,9 @@ def num_splits(rows: int, kv_heads: int, max_len: int, device: torch.device, blo
     register cap fixes it) the split count minimises a wave model of the launch: time ~ waves x (tiles per
     program + 2), waves = ceil(programs / resident slots). It fits the H200's split sweep
     (``h200-tune.json``, 2026-12-04): 4bit_nc 1x32768 58.9 us at 48 splits against 66.7 at 64 (two waves of
-    512 programs on 396 slots), k8v4 16x8192 132.8 at 4 against 163.9 at 5. Without it (the word and byte
-    kernels, the interpreter): enough programs to fill the GPU ~4 times, each split >= 4 tiles."""
+    512 programs on 396 slots), k8v4 16x8192 132.8 at 4 against 163.9 at 5. Never more splits than fill the
+    GPU ~4 times (the earlier rule's count). Without ``programs_per_sm`` (the word and byte kernels, the
+    interpreter): that count, each split >= 4 tiles."""
     pairs = max(rows * kv_heads, 1)
     if programs_per_sm is None:
         wanted = triton.cdiv(4 * _sm_count(device), pairs)
@@ -808,11 +809,14 @@ def num_splits(rows: int, kv_heads: int, max_len: int, device: torch.device, blo
         return int(max(1, min(wanted, most, 64)))
     slots = programs_per_sm * _sm_count(device)
     tiles = max(1, triton.cdiv(max_len, block_n))
+    # at most ~4 programs an SM, as before: max_len is the block table's width (an engine's max_model_len),
+    # often far above the batch's real lengths, and the count must not grow with it
+    most = min(tiles, 128, triton.cdiv(4 * _sm_count(device), pairs))
 
     def cost(splits: int) -> int:
         return triton.cdiv(pairs * splits, slots) * (triton.cdiv(tiles, splits) + 2)
 
-    return min(range(1, min(tiles, 128) + 1), key=lambda s: (cost(s), s))
+    return min(range(1, most + 1), key=lambda s: (cost(s), s))
 
 
 def programs_per_sm(maxnreg: int, num_warps: int) -> int:

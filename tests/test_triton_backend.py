@@ -447,6 +447,11 @@ def test_split_count_follows_the_wave_model(monkeypatch):
     assert ta.num_splits(1, 8, 4096, cuda, 64, 3) == 32  # every split 2 tiles, one wave
     for rows, length in [(1, 100), (3, 16), (64, 4096), (512, 32768)]:  # never more splits than tiles, nor 128
         assert 1 <= ta.num_splits(rows, 8, length, cuda, 64, 3) <= min(128, -(-length // 64))
+    # the table's width (an engine's max_model_len) may be far above the real lengths: the count stays where
+    # ~4 programs an SM are launched, however wide the table
+    for rows in (1, 4, 16, 64):
+        counts = [ta.num_splits(rows, 8, length, cuda, 64, 3) for length in (32768, 131072, 1 << 20)]
+        assert max(counts) <= -(-4 * 132 // (rows * 8)), counts
     # without an occupancy (word / byte kernels, the interpreter) the earlier rule stands
     assert ta.num_splits(1, 8, 32768, cuda, 64) == 64
 
