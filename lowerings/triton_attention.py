@@ -707,18 +707,18 @@ def _decode_stream_kernel(
 @triton.jit
 def _prepare_query_kernel(q_ptr, rot_ptr, order_ptr, out_ptr, pairs, heads, s_qt, s_qh, s_qd,
                           D: tl.constexpr, SCALE: tl.constexpr, ROTATE: tl.constexpr, ORDERED: tl.constexpr,
-                          BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
-    """out[t, h, :] = (q[t, h, :] @ rot[:, order]) * SCALE in fp32 for BLOCK_M (token, head) pairs a program;
-    without ROTATE, q[t, h, order] * SCALE. The decode kernels' query in one launch (it was a cast, a matmul
-    and a multiply: three launches of ~2-4 us each at decode). The product is an fp32 FMA dot ("ieee"), as
-    precise as the fp32 matmul it replaces."""
+                          BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr):
+    """out[t, h, :] = (q[t, h, :] @ rot[:, order]) * SCALE in fp32, BLOCK_M (token, head) pairs and BLOCK_D
+    output columns a program; without ROTATE, q[t, h, order] * SCALE. The decode kernels' query in one launch
+    (it was a cast, a matmul and a multiply: three launches of ~2-4 us each at decode). The product is an fp32
+    FMA dot ("ieee"), as precise as the fp32 matmul it replaces."""
     m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     ok = m < pairs
     row = (m // heads) * s_qt + (m % heads) * s_qh
-    d = tl.arange(0, D)
+    d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     cols = tl.load(order_ptr + d) if ORDERED else d
     if ROTATE:
-        acc = tl.zeros((BLOCK_M, D), tl.float32)
+        acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
         for k0 in tl.static_range(0, D, BLOCK_K):
             k = k0 + tl.arange(0, BLOCK_K)
             q = tl.load(q_ptr + row[:, None] + k[None, :] * s_qd, mask=ok[:, None], other=0.0).to(tl.float32)
@@ -733,18 +733,22 @@ def prepare_query(query: torch.Tensor, rotation: torch.Tensor | None, order: tor
                   launch=None) -> torch.Tensor:
     """The decode kernels' query [T, Hq, D] fp32: rotated (``rotation``, [D, D] fp32, None for fp8 keys),
     its columns in ``order`` (the word kernel's; None: natural), times ``scale`` (softmax scale x log2 e). The
-    scale is a compile-time constant of the kernel: a float argument would be fp64 where Inductor launches it."""
+    scale is a compile-time constant of the kernel: a float argument would be fp64 where Inductor launches it.
+    Programs of 16 pairs x 64 columns: a decode step of one sequence still spreads over a few SMs."""
     rows, heads, dim = query.shape
+    if rotation is not None and (rotation.dtype != torch.float32 or tuple(rotation.shape) != (dim, dim)):
+        raise ValueError(f"rotation: expected float32 [{dim}, {dim}], got {rotation.dtype} {list(rotation.shape)}")
+    if order is not None and tuple(order.shape) != (dim,):
+        raise ValueError(f"order: expected [{dim}], got {list(order.shape)}")
     out = torch.empty(rows, heads, dim, dtype=torch.float32, device=query.device)
     if rows == 0:
         return out
-    pairs = rows * heads
-    block_m = 16
-    (launch or _plain_launch)(_prepare_query_kernel)[(triton.cdiv(pairs, block_m),)](
-        query, rotation.contiguous() if rotation is not None else query, order if order is not None else query, out,
-        pairs, heads, *query.stride(),
+    pairs, block_m, block_d = rows * heads, 16, min(64, dim)
+    (launch or _plain_launch)(_prepare_query_kernel)[(triton.cdiv(pairs, block_m), dim // block_d)](
+        query, rotation.contiguous() if rotation is not None else query,
+        order.contiguous() if order is not None else query, out, pairs, heads, *query.stride(),
         D=dim, SCALE=float(scale), ROTATE=rotation is not None, ORDERED=order is not None,
-        BLOCK_M=block_m, BLOCK_K=min(32, dim), num_warps=4,
+        BLOCK_M=block_m, BLOCK_D=block_d, BLOCK_K=min(32, dim), num_warps=4,
     )
     return out
 
@@ -811,7 +815,7 @@ def num_splits(rows: int, kv_heads: int, max_len: int, device: torch.device, blo
     tiles = max(1, triton.cdiv(max_len, block_n))
     # at most ~4 programs an SM, as before: max_len is the block table's width (an engine's max_model_len),
     # often far above the batch's real lengths, and the count must not grow with it
-    most = min(tiles, 128, triton.cdiv(4 * _sm_count(device), pairs))
+    most = min(tiles, 64, triton.cdiv(4 * _sm_count(device), pairs))
 
     def cost(splits: int) -> int:
         return triton.cdiv(pairs * splits, slots) * (triton.cdiv(tiles, splits) + 2)
@@ -820,9 +824,10 @@ def num_splits(rows: int, kv_heads: int, max_len: int, device: torch.device, blo
 
 
 def programs_per_sm(maxnreg: int, num_warps: int) -> int:
-    """Programs an SM holds at once under a register cap (64K registers an SM, allocated per warp in 256s)."""
+    """Programs an SM holds at once under a register cap (64K registers an SM, allocated per warp in 256s; at
+    most 64 warps and 32 programs an SM; shared memory is not the limit of the stream kernel: 22 KB a program)."""
     per_warp = triton.cdiv(maxnreg * 32, 256) * 256
-    return max(1, 65536 // (per_warp * num_warps))
+    return max(1, min(65536 // (per_warp * num_warps), 64 // num_warps, 32))
 
 
 def _base_offset(t: torch.Tensor) -> int:
@@ -970,7 +975,7 @@ def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: t
     if num_stages is None and kernel == "words" and preset.key_bits == 4:
         num_stages = 3
     if splits is None:
-        occupancy = None if maxnreg is None else programs_per_sm(maxnreg, num_warps or 4)
+        occupancy = programs_per_sm(maxnreg, num_warps or 4) if kernel == "stream" and maxnreg else None
         splits = num_splits(rows, kv_heads, max_len, query.device, block_n, occupancy)
     part_out = torch.empty(rows, heads, splits, dim, dtype=torch.float32, device=query.device)
     part_lse = torch.empty(rows, heads, splits, dtype=torch.float32, device=query.device)

@@ -421,7 +421,7 @@ def test_split_kv_merge_handles_empty_splits():
 
 
 def test_stream_kernel_with_more_splits_than_tiles():
-    """The split counts the wave model picks at one sequence (up to 128) leave most splits of a short
+    """The split counts the wave model picks at one sequence (up to 64) leave most splits of a short
     sequence empty and others a single partial tile."""
     preset = get_preset("turboquant_4bit_nc", 64)
     out, expected = _attention_both(preset, 4, torch.float16, [1, 1, 2], [37, 5, 70], seed=5, fill=0xFF,
@@ -439,14 +439,16 @@ def test_split_count_follows_the_wave_model(monkeypatch):
     monkeypatch.setattr(ta, "_sm_count", lambda device: 132)
     cuda = torch.device("cuda")
     assert ta.programs_per_sm(168, 4) == 3 and ta.programs_per_sm(128, 4) == 4 and ta.programs_per_sm(255, 8) == 1
+    assert ta.programs_per_sm(32, 1) == 32 and ta.programs_per_sm(32, 8) == 8  # 32 programs, 64 warps an SM
     # one sequence, 8 kv heads, 32768 positions in 64-position tiles: 396 slots hold 8 x 47 programs at once
     # (the old rule's 64 splits made 512 programs: two waves, the second a third full)
     splits = ta.num_splits(1, 8, 32768, cuda, 64, 3)
     assert 8 * splits <= 396 and splits >= 40
     assert ta.num_splits(16, 8, 8192, cuda, 128, 4) == 4  # 512 programs on 528 slots, not 640 (measured 1.23x)
     assert ta.num_splits(1, 8, 4096, cuda, 64, 3) == 32  # every split 2 tiles, one wave
-    for rows, length in [(1, 100), (3, 16), (64, 4096), (512, 32768)]:  # never more splits than tiles, nor 128
-        assert 1 <= ta.num_splits(rows, 8, length, cuda, 64, 3) <= min(128, -(-length // 64))
+    for rows, length in [(1, 100), (3, 16), (64, 4096), (512, 32768)]:  # never more splits than tiles, nor 64
+        assert 1 <= ta.num_splits(rows, 8, length, cuda, 64, 3) <= min(64, -(-length // 64))
+    assert ta.num_splits(1, 1, 1 << 20, cuda, 64, 3) == 64  # one kv head (a tensor-parallel rank's share)
     # the table's width (an engine's max_model_len) may be far above the real lengths: the count stays where
     # ~4 programs an SM are launched, however wide the table
     for rows in (1, 4, 16, 64):
@@ -715,6 +717,8 @@ def test_query_preparation_equals_the_fp32_matmul(dim, rotate, ordered):
 
     gen = torch.Generator().manual_seed(dim)
     query = torch.randn(5, 2 * 3, dim + 8, generator=gen).to(torch.bfloat16)[..., 4: dim + 4]
+    if ordered and not rotate:  # coordinates not the fastest dimension, and an fp32 query
+        query = torch.randn(dim, 5, 2 * 3, generator=gen).permute(1, 2, 0)
     rotation = torch.linalg.qr(torch.randn(dim, dim, generator=gen))[0].contiguous() if rotate else None
     order = key_column_order(get_preset("turboquant_4bit_nc", dim), dim) if ordered else None
     out = prepare_query(query, rotation, order, 0.3)
@@ -722,3 +726,22 @@ def test_query_preparation_equals_the_fp32_matmul(dim, rotate, ordered):
     expected = (expected[..., order] if ordered else expected) * 0.3
     assert out.dtype == torch.float32 and out.is_contiguous()
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    if rotate:
+        with pytest.raises(ValueError, match="rotation: expected float32"):
+            prepare_query(query, rotation.to(torch.bfloat16), order, 0.3)
+
+
+def test_stream_launch_sizes_its_splits_by_occupancy(monkeypatch):
+    """decode_attention hands the wave model the stream kernel's occupancy where it caps registers (the GPU's
+    launch), and not for the other kernels."""
+    from tqkv_compile.lowerings import triton_attention as ta
+
+    seen = []
+    real = ta.num_splits
+    monkeypatch.setattr(ta, "num_splits", lambda *a: seen.append(a[5:]) or real(*a))
+    preset = get_preset("turboquant_4bit_nc", 64)
+    for kernel, maxnreg in [("stream", 168), ("stream", None), ("words", 168)]:
+        out, expected = _attention_both(preset, 4, torch.float16, [1, 1], [30, 21], seed=2, kernel=kernel,
+                                        maxnreg=maxnreg)
+        torch.testing.assert_close(out.float(), expected.float(), **_tolerance(torch.float16))
+    assert seen == [(3,), (None,), (None,)]
