@@ -25,6 +25,7 @@ _KERNEL_MODULES = [
     "tqkv_compile.lowerings.triton_general",
     "tqkv_compile.lowerings.triton_kv_dot",
     "tqkv_compile.lowerings.triton_attention",
+    "tqkv_compile.lowerings.triton_query",
     "tqkv_compile.lowerings.triton_kv_write",
     "tqkv_compile.lowerings.triton_dequant",
 ]
@@ -713,7 +714,8 @@ def test_vllm_layout_kernels_refuse_a_preset_of_ours(op):
 def test_query_preparation_equals_the_fp32_matmul(dim, rotate, ordered):
     """The decode kernels' query in one launch: rotated, columns reordered, scaled, in fp32 as the matmul it
     replaced; rows x heads not a multiple of the program's 16 pairs, a strided query view."""
-    from tqkv_compile.lowerings.triton_attention import key_column_order, prepare_query
+    from tqkv_compile.lowerings.triton_attention import key_column_order
+    from tqkv_compile.lowerings.triton_query import prepare_query
 
     gen = torch.Generator().manual_seed(dim)
     query = torch.randn(5, 2 * 3, dim + 8, generator=gen).to(torch.bfloat16)[..., 4: dim + 4]
