@@ -143,6 +143,10 @@ def test_bad_input_raises_and_writes_nothing():
         (dict(key=torch.randn(3, 3, 64), value=torch.randn(3, 3, 64)), ValueError, "kv heads"),
         (dict(key=torch.randn(3, 2, 96), value=torch.randn(3, 2, 96)), ValueError, "head_dim"),
         (dict(key=torch.ones(3, 2, 64, dtype=torch.int64)), TypeError, "key"),
+        (dict(key=key.to("meta"), value=value.to("meta")), ValueError, "key: on meta"),
+        (dict(slot_mapping=torch.tensor([0, 1, 2], device="meta")), ValueError, "slot_mapping: on meta"),
+        (dict(kv_cache=torch.zeros(1, 4, 1, p.slot_bytes, dtype=torch.uint8).expand(2, 4, 2, p.slot_bytes)),
+         ValueError, "expanded"),
     ]
     for override, error, message in cases:
         args = dict(key=key, value=value, kv_cache=cache, slot_mapping=torch.tensor([0, 1, 2]), preset=p.name)
@@ -164,6 +168,7 @@ def test_bad_attention_metadata_raises_value_error_naming_it():
         (dict(query_start_loc=torch.tensor([0, 1], dtype=torch.int32)), "query_start_loc"),
         (dict(query_start_loc=torch.tensor([0, 2, 1], dtype=torch.int32)), "query_start_loc"),
         (dict(query=s.query[:, :3]), "query heads"),
+        (dict(seq_lens=s.seq_lens.to("meta")), "seq_lens: on meta"),
     ]
     for override, message in cases:
         with pytest.raises(ValueError, match=message):

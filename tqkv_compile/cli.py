@@ -14,8 +14,7 @@ def main(argv: list[str] | None = None) -> int:
 
     demo.add_arguments(commands.add_parser("demo", help="vLLM on the CPU with a TurboQuant cache served by tqkv"))
     inspect = commands.add_parser("inspect", help="print the attention graph before and after the tqkv pass")
-    inspect.add_argument("--model", default=None, help="model folder (config.json is enough); default: built-in")
-    inspect.add_argument("--kv-cache-dtype", default="turboquant_4bit_nc")
+    demo.add_model_arguments(inspect)
     inspect.add_argument("--full", action="store_true", help="print the whole graphs, not the attention blocks")
 
     from tqkv_compile import quality

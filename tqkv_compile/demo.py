@@ -25,14 +25,47 @@ def builtin_model(name: str = "tiny-llama") -> str:
     return str(resources.files("tqkv_compile") / "models" / name)
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    try:
+        number = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"expected at least 1, got {number}")
+    return number
+
+
+def add_model_arguments(p: argparse.ArgumentParser) -> None:
+    """--model and --kv-cache-dtype (demo and inspect)."""
+    from tqkv_compile.codec import preset_names
+
     p.add_argument("--model", default=None, help="model folder (config.json is enough: dummy weights); default: "
                    "a built-in 6-layer Llama")
-    p.add_argument("--kv-cache-dtype", default="turboquant_4bit_nc")
-    p.add_argument("--prompts", type=int, default=4, help="sequences decoded together")
-    p.add_argument("--prompt-len", type=int, default=40)
-    p.add_argument("--new-tokens", type=int, default=24)
-    p.add_argument("--dtype", default=None,
+    p.add_argument("--kv-cache-dtype", default="turboquant_4bit_nc", choices=preset_names(), metavar="PRESET",
+                   help="vLLM's TurboQuant preset (default %(default)s; one of: %(choices)s). Presets of ours ride "
+                        "on one of these: TQKV_PRESET=NAME in the environment (README)")
+
+
+def check_model(command: str, model: str) -> None:
+    """A one-line exit for a model folder vLLM could not read (else: vLLM's stack trace, a minute later)."""
+    config = os.path.join(model, "config.json")
+    if not os.path.isfile(config):
+        raise SystemExit(f"tqkv {command}: --model {model}: no config.json there")
+    try:
+        with open(config) as f:
+            json.load(f)
+    except (OSError, ValueError) as exc:
+        raise SystemExit(f"tqkv {command}: --model {model}: config.json is not readable JSON ({exc})") from None
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_model_arguments(p)
+    p.add_argument("--prompts", type=positive_int, default=4, help="sequences decoded together (default %(default)s)")
+    p.add_argument("--prompt-len", type=positive_int, default=40, help="prompt tokens each (default %(default)s)")
+    p.add_argument("--new-tokens", type=positive_int, default=24,
+                   help="tokens generated each (default %(default)s)")
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                    help="activation dtype; on the CPU fp32 by default because in bf16 vLLM's own compiled and eager "
                         "runs already diverge on random weights (no tqkv involved), which would hide what the check "
                         "tests; on CUDA bf16 (vLLM's TurboQuant backend takes fp16 / bf16 only)")
@@ -139,8 +172,7 @@ def run(args: argparse.Namespace) -> int:
         from tqkv_compile.vllm.engine_run import default_dtype
 
         args.dtype = default_dtype()
-    if not os.path.isfile(os.path.join(model, "config.json")):
-        raise SystemExit(f"tqkv demo: --model {model}: no config.json there")
+    check_model("demo", model)
     common = ["--kv-cache-dtype", args.kv_cache_dtype, "--dtype", args.dtype, "--prompts", str(args.prompts),
               "--prompt-len", str(args.prompt_len), "--new-tokens", str(args.new_tokens)]
     log_dir = tempfile.mkdtemp(prefix="tqkv-demo-")
@@ -157,10 +189,14 @@ def run(args: argparse.Namespace) -> int:
 
     same, diff, _ = compare_logprobs(compiled, eager)
     rewritten = compiled["served_compiled"]
-    per_token, per_token_bf16 = kv_bytes_per_token(model, args.kv_cache_dtype, len(rewritten))
+    from tqkv_compile.vllm.serving import stored_preset
+
+    stored = stored_preset(args.kv_cache_dtype)  # a preset of ours (TQKV_PRESET) riding on the cache dtype
+    per_token, per_token_bf16 = kv_bytes_per_token(model, stored, len(rewritten))
     summary = {
         "model": model,
         "kv_cache_dtype": args.kv_cache_dtype,
+        "stored_preset": stored,
         "dtype": args.dtype,
         "layers_total": len(compiled["layers"]),
         "layers_rewritten": len(rewritten),
@@ -193,7 +229,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _print_summary(s: dict) -> None:
-    print(f"\nModel {s['model']}  ({s['kv_cache_dtype']})")
+    stored = "" if s["stored_preset"] == s["kv_cache_dtype"] else f", stored as {s['stored_preset']}"
+    print(f"\nModel {s['model']}  ({s['kv_cache_dtype']}{stored})")
     print(f"Attention layers: {s['layers_total']}, served by tqkv in the compiled graph: {s['layers_rewritten']}")
     for name in s["rewritten"]:
         print(f"  rewritten  {name}")
@@ -210,6 +247,11 @@ def _print_summary(s: dict) -> None:
     ratio = s["kv_bytes_per_token_bf16"] / max(s["kv_bytes_per_token"], 1)
     print(f"KV bytes per token (all layers): {s['kv_bytes_per_token']} vs {s['kv_bytes_per_token_bf16']} in bf16 "
           f"({ratio:.2f}x smaller)")
+    capacity = f"KV cache capacity vLLM reports: {s['kv_capacity_tokens']} tokens"
+    if s.get("kv_capacity_tokens_uncompressed"):
+        capacity += (f" vs {s['kv_capacity_tokens_uncompressed']} uncompressed "
+                     f"({s['kv_capacity_tokens'] / s['kv_capacity_tokens_uncompressed']:.2f}x)")
+    print(capacity)
     line = f"Decode tokens/s: compiled {s['decode_tok_s_compiled']}, eager {s['decode_tok_s_eager']}"
     if "decode_tok_s_uncompressed" in s:
         line += f", uncompressed cache (vLLM) {s['decode_tok_s_uncompressed']}"
@@ -220,6 +262,7 @@ def inspect(args: argparse.Namespace) -> int:
     from tqkv_compile.passes.graph_text import attention_blocks
 
     model = os.path.abspath(args.model) if args.model else builtin_model()
+    check_model("inspect", model)
     log_dir = tempfile.mkdtemp(prefix="tqkv-inspect-")
     dump = os.path.join(log_dir, "graphs")
     result = run_engine("compiled + tqkv pass", model, ["--kv-cache-dtype", args.kv_cache_dtype, "--prompts", "1",

@@ -44,7 +44,17 @@ def _check_cache(kv_cache: torch.Tensor, preset_name: str, head_dim: int) -> Pre
             f"kv_cache: expected uint8 [num_blocks, block_size, num_kv_heads, {preset.slot_bytes}] for "
             f"{preset_name} at head_dim {head_dim}, got {kv_cache.dtype} {tuple(kv_cache.shape)}"
         )
+    if any(stride == 0 and size > 1 for stride, size in zip(kv_cache.stride(), kv_cache.shape)):
+        raise ValueError(f"kv_cache: an expanded view (stride 0, strides {kv_cache.stride()}): slots would alias")
     return preset
+
+
+def _check_devices(kv_cache: torch.Tensor, **tensors: torch.Tensor) -> None:
+    """Every tensor on the cache's device (a meta or other-device input would be read as nothing, or fail deep
+    inside a kernel)."""
+    for name, t in tensors.items():
+        if isinstance(t, torch.Tensor) and t.device != kv_cache.device:
+            raise ValueError(f"{name}: on {t.device}, but kv_cache is on {kv_cache.device}")
 
 
 def _check_query(query: torch.Tensor, kv_cache: torch.Tensor) -> None:
@@ -67,6 +77,7 @@ def check_kv_write(key, value, kv_cache, slot_mapping, preset: str) -> Preset:
     if key.shape[1] != kv_cache.shape[2]:
         raise ValueError(f"key: {key.shape[1]} kv heads, but kv_cache holds {kv_cache.shape[2]}")
     _check_index("slot_mapping", slot_mapping, 1)
+    _check_devices(kv_cache, key=key, value=value, slot_mapping=slot_mapping)
     if slot_mapping.shape[0] != key.shape[0]:
         raise ValueError(f"slot_mapping: expected {key.shape[0]} entries (one per token), got {slot_mapping.shape[0]}")
     if slot_mapping.numel() and _value_checks_enabled(slot_mapping):
@@ -100,6 +111,8 @@ def check_attention(query, kv_cache, block_table, seq_lens, query_start_loc, pre
                     value=None) -> Preset:
     _check_query(query, kv_cache)
     p = _check_cache(kv_cache, preset, query.shape[-1])
+    _check_devices(kv_cache, query=query, block_table=block_table, seq_lens=seq_lens,
+                   query_start_loc=query_start_loc)
     if (key is None) != (value is None):
         missing = "value" if value is None else "key"
         raise ValueError(f"{missing}: missing; the step's key and value come together (or neither)")
@@ -133,6 +146,7 @@ def check_attention(query, kv_cache, block_table, seq_lens, query_start_loc, pre
 def check_kv_dot(query, kv_cache, block_table, seq_lens, preset: str) -> Preset:
     _check_query(query, kv_cache)
     p = _check_cache(kv_cache, preset, query.shape[-1])
+    _check_devices(kv_cache, query=query, block_table=block_table, seq_lens=seq_lens)
     _check_blocks(kv_cache, block_table, seq_lens)
     if query.shape[0] != block_table.shape[0]:
         raise ValueError(f"query: expected one row per sequence ({block_table.shape[0]}), got {query.shape[0]}")
@@ -160,6 +174,8 @@ def kv_write(
 
 @kv_write.register_fake
 def _(key, value, kv_cache, slot_mapping, preset):
+    # a meta input next to a real cache dispatches here: the device mismatch is still an error
+    _check_devices(kv_cache, key=key, value=value, slot_mapping=slot_mapping)
     return None
 
 
@@ -196,6 +212,8 @@ def attention(
 
 @attention.register_fake
 def _(query, kv_cache, block_table, seq_lens, query_start_loc, scale, preset, key=None, value=None):
+    _check_devices(kv_cache, query=query, block_table=block_table, seq_lens=seq_lens,
+                   query_start_loc=query_start_loc, key=key, value=value)
     return torch.empty_like(query)
 
 
@@ -224,6 +242,7 @@ def kv_dot(
 
 @kv_dot.register_fake
 def _(query, kv_cache, block_table, seq_lens, scale, preset):
+    _check_devices(kv_cache, query=query, block_table=block_table, seq_lens=seq_lens)
     return query.new_empty(
         (query.shape[0], query.shape[1], block_table.shape[1] * kv_cache.shape[1]), dtype=torch.float32
     )

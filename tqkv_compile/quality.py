@@ -256,7 +256,11 @@ def run(args: argparse.Namespace) -> int:
     rows = [r.strip() for r in args.presets.split(",") if r.strip()]
     for row in rows:
         if row not in ("bf16", "fp8"):
-            get_preset(row, 64)  # ValueError names the valid presets
+            try:
+                get_preset(row, 64)
+            except ValueError as exc:  # it names the valid presets
+                print(f"tqkv quality: --presets: {exc}", file=sys.stderr)
+                return 2
     torch.set_num_threads(args.threads)
     cache_dir = Path(args.cache_dir).expanduser()
     cache_dir.mkdir(parents=True, exist_ok=True)

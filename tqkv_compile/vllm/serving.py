@@ -49,6 +49,10 @@ def layer_fit(layer: Any) -> str | None:
         return "MLA attention is not supported"
     dtype = getattr(layer, "kv_cache_dtype", None)
     if not adapter.is_turboquant_dtype(dtype):
+        engine = adapter.engine_turboquant_dtype()
+        if engine is not None:
+            return (f"vLLM keeps this layer uncompressed ({dtype!r}): a {engine} cache leaves the first and last "
+                    "two layers in the model's dtype")
         return f"kv cache dtype {dtype!r} is not TurboQuant"
     if dtype not in PRESETS:
         return f"TurboQuant preset {dtype!r} is unknown to tqkv_compile"
