@@ -9,7 +9,8 @@ compiled step against eager and against the reference backend.
     python examples/inductor_lowering.py --show 40  # more of the generated code
 
 On CUDA the generated code defines and launches ``_kv_write_kernel``, ``_prepare_query_kernel``,
-``_decode_stream_kernel`` and ``_merge_kernel`` itself; on the CPU it calls ``tqkv::kv_write`` / ``tqkv::attention`` (reference backend).
+``_decode_stream_kernel`` and ``_merge_kernel`` itself; on the CPU it calls ``tqkv::kv_write`` /
+``tqkv::attention`` (reference backend).
 """
 
 from __future__ import annotations

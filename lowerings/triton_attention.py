@@ -759,15 +759,14 @@ def num_splits(rows: int, kv_heads: int, max_len: int, device: torch.device, blo
     GPU ~4 times (the earlier rule's count). Without ``programs_per_sm`` (the word and byte kernels, the
     interpreter): that count, each split >= 4 tiles."""
     pairs = max(rows * kv_heads, 1)
+    wanted = triton.cdiv(4 * _sm_count(device), pairs)  # ~4 programs an SM
     if programs_per_sm is None:
-        wanted = triton.cdiv(4 * _sm_count(device), pairs)
-        most = max(1, max_len // (4 * block_n))
-        return int(max(1, min(wanted, most, 64)))
+        return int(max(1, min(wanted, max_len // (4 * block_n), 64)))
     slots = programs_per_sm * _sm_count(device)
     tiles = max(1, triton.cdiv(max_len, block_n))
-    # at most ~4 programs an SM, as before: max_len is the block table's width (an engine's max_model_len),
-    # often far above the batch's real lengths, and the count must not grow with it
-    most = min(tiles, 64, triton.cdiv(4 * _sm_count(device), pairs))
+    # never above that count: max_len is the block table's width (an engine's max_model_len), often far above
+    # the batch's real lengths, and the count must not grow with it
+    most = min(tiles, 64, wanted)
 
     def cost(splits: int) -> int:
         return triton.cdiv(pairs * splits, slots) * (triton.cdiv(tiles, splits) + 2)
