@@ -4,6 +4,8 @@
 # Logs and results go to $OUT. Every step has its own time limit and the next step runs whatever happened.
 #   bash bench/h200_session.sh agreement         SmolLM2 (real weights): tqkv vs eager / vLLM's own / bf16
 #   bash bench/h200_session.sh kernels           presets of ours: Triton kernels vs the reference, and timed
+#                                                (CHECK_PRESETS, CHECK_DIMS; OWN_PRESETS, OWN_CASES, OWN_WRITE_TOKENS,
+#                                                OWN_BASELINES=1 for FA3 / vLLM beside them)
 #   bash bench/h200_session.sh e2e CONFIGS [CASES] [TIMEOUT]   tqkv bench e2e (Llama-3-8B shape, dummy weights;
 #                                                E2E_PROFILE=1: torch.profiler tables as $OUT/e2e-profiles.tgz;
 #                                                more bench options in E2E_ARGS)
@@ -110,13 +112,14 @@ if "error" in runs.get("tqkv", {}) and "error" not in runs.get("tqkv_full_graphs
 PY
     ;;
 kernels)
-    step "presets of ours: Triton vs the reference"
-    timeout 200 python3 -m tqkv_compile.bench_kernels --check --presets tqkv_k4o1v225,tqkv_k5v3 --dims ${CHECK_DIMS:-64,128} \
-        > "$OUT/check-own.log" 2>&1; tail -3 "$OUT/check-own.log"
-    step "presets of ours timed beside vLLM's presets (our kernels, no baselines)"
-    timeout 150 python3 -m tqkv_compile.bench_kernels --no-baselines \
-        --presets tqkv_k4o1v225,tqkv_k5v3,turboquant_k3v4_nc,turboquant_4bit_nc --cases 1x32768,64x32768 \
-        --write-tokens 64,8192 --out "$OUT/h200-own-presets.json" > "$OUT/own-presets.log" 2>&1
+    step "presets of ours: Triton vs the reference (${CHECK_PRESETS:=tqkv_k4o1v225,tqkv_k5v3})"
+    timeout ${CHECK_TIMEOUT:-200} python3 -m tqkv_compile.bench_kernels --check --presets $CHECK_PRESETS \
+        --dims ${CHECK_DIMS:-64,128} > "$OUT/check-own.log" 2>&1; tail -3 "$OUT/check-own.log"
+    step "presets of ours timed beside vLLM's presets (OWN_BASELINES=1: FA3 and vLLM's TurboQuant too)"
+    timeout 150 python3 -m tqkv_compile.bench_kernels $([ "${OWN_BASELINES:-0}" = 1 ] || echo --no-baselines) \
+        --presets ${OWN_PRESETS:-tqkv_k4o1v225,tqkv_k5v3,turboquant_k3v4_nc,turboquant_4bit_nc} \
+        --cases ${OWN_CASES:-1x32768,64x32768} --write-tokens ${OWN_WRITE_TOKENS:-64,8192} \
+        --out "$OUT/h200-own-presets.json" > "$OUT/own-presets.log" 2>&1
     tail -25 "$OUT/own-presets.log"
     ;;
 full)

@@ -59,7 +59,8 @@ def main() -> int:
     scale = preset.head_dim**-0.5
 
     def decode_step(q, k, v, cache, slots, table, seq_lens, query_start_loc):
-        torch.ops.tqkv.triton_kv_write(k, v, cache, slots, tables["rotation"], tables["midpoints"], preset.name)
+        torch.ops.tqkv.triton_kv_write(k, v, cache, slots, tables["rotation"], tables["midpoints"], tables["centroids"],
+                                         preset.name)
         out = torch.ops.tqkv.triton_attention(q, cache, table, seq_lens, query_start_loc, tables["rotation"],
                                               tables["centroids"], tables["key_lut"], scale, preset.name)
         return out.float() * 2.0  # something for Inductor to fuse after the op

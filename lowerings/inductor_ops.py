@@ -46,7 +46,7 @@ def tables(preset_name: str, head_dim: int, device: torch.device) -> dict[str, t
 
 @triton_op("tqkv::triton_kv_write", mutates_args=("kv_cache",))
 def triton_kv_write(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
-                    rotation: torch.Tensor, midpoints: torch.Tensor, preset: str) -> None:
+                    rotation: torch.Tensor, midpoints: torch.Tensor, centroids: torch.Tensor, preset: str) -> None:
     """As ``tqkv::kv_write``, through the Triton kernel on CUDA (no input checks there); elsewhere it is
     ``tqkv::kv_write`` itself (checked, reference backend)."""
     if kv_cache.device.type != "cuda":
@@ -55,7 +55,7 @@ def triton_kv_write(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tens
     from tqkv_compile.lowerings.triton_kv_write import kv_write
 
     kv_write(key, value, kv_cache, slot_mapping, get_preset(preset, key.shape[-1]), rotation, midpoints,
-             launch=wrap_triton)
+             launch=wrap_triton, centroids=centroids)
 
 
 @triton_op("tqkv::triton_attention", mutates_args=())

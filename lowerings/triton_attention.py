@@ -803,7 +803,7 @@ def stream_words(preset: Preset, kv_cache: torch.Tensor, asm: bool) -> tuple[int
     cannot: it takes fp8 or 4-bit Lloyd-Max keys with 4-bit uniform values of vLLM's layout, from
     byte-contiguous slots whose fields and strides are multiples of the word. The asm lookups (GPU) read
     4-bit codes as 16-bit words (four codes each) and fp8 keys as 32-bit words."""
-    if not (preset.key_fp8 or preset.key_bits == 4) or preset.value_bits != 4 or preset.spec.vllm_name is None:
+    if not (preset.key_fp8 or preset.key_bits == 4) or preset.value_bits != 4 or not preset.vllm_layout:
         return None
     if kv_cache.dtype != torch.uint8 or kv_cache.stride(3) != 1:
         return None
@@ -873,7 +873,7 @@ def require_vllm_layout(preset: Preset) -> None:
     """These kernels (and triton_kv_write's, triton_kv_dot's) read vLLM's four slot layouts only: a preset of
     ours given to them would be read as garbage (or past the cache's end), so it is refused;
     :mod:`tqkv_compile.lowerings.triton_general` serves those."""
-    if preset.spec.vllm_name is None:
+    if not preset.vllm_layout:
         raise ValueError(f"{preset.name}: not one of vLLM's slot layouts; presets of ours run on triton_general's "
                          "kernels (the triton backend picks them)")
 

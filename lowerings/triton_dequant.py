@@ -27,7 +27,7 @@ from tqkv_compile.lowerings.triton_kv_write import _write_rows
 
 def supports(preset: Preset) -> bool:
     """vLLM's four layouts (Lloyd-Max or fp8 keys, uniform values, no wide runs or outliers)."""
-    return preset.spec.vllm_name is not None
+    return preset.vllm_layout
 
 
 @triton.jit

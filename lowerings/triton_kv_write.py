@@ -83,12 +83,14 @@ def _write_rows(slot_ptr, n_rows, num_kv_heads, s_blk, s_pos, s_head, BLOCK_SIZE
 
 
 @triton.jit
-def _write_keys(key_ptr, cache_ptr, rot_ptr, mid_ptr, tok, head, keep, base, s_kt, s_kh, s_kd, s_byte, c_start,
-                FP8_MAX: tl.constexpr, D: tl.constexpr, KEY_FP8: tl.constexpr, KEY_BITS: tl.constexpr,
+def _write_keys(key_ptr, cache_ptr, rot_ptr, mid_ptr, cent_ptr, tok, head, keep, base, s_kt, s_kh, s_kd, s_byte,
+                c_start, FP8_MAX: tl.constexpr, D: tl.constexpr, KEY_FP8: tl.constexpr, KEY_BITS: tl.constexpr,
                 KEY_CODE_BYTES: tl.constexpr, WIDTH: tl.constexpr, with_norm, BLOCK_M: tl.constexpr,
-                BLOCK_R: tl.constexpr):
+                BLOCK_R: tl.constexpr, NORM_AT_WRITE: tl.constexpr, STORE_CODES: tl.constexpr):
     """The key bytes of coordinates [c_start, c_start + WIDTH) of this program's rows (the norm too where
-    ``with_norm``): fp8 bytes, or the Lloyd-Max codes of the rotated unit key (the norm is over the whole row)."""
+    ``with_norm``): fp8 bytes, or the Lloyd-Max codes of the rotated unit key (the norm is over the whole row).
+    NORM_AT_WRITE: the norm stored is ||k|| / ||c|| (c the centroids the codes select), which needs every
+    coordinate's code: WIDTH is then D where ``with_norm``. STORE_CODES false: the norm alone."""
     rows_k = key_ptr + tok[:, None].to(tl.int64) * s_kt + head[:, None] * s_kh
     if KEY_FP8:
         w = tl.arange(0, WIDTH)
@@ -101,14 +103,21 @@ def _write_keys(key_ptr, cache_ptr, rot_ptr, mid_ptr, tok, head, keep, base, s_k
         norm = tl.sqrt_rn(tl.sum(k * k, axis=1))
         unit = tl.div_rn(k, (norm + 1e-8)[:, None])
         r = tl.arange(0, BLOCK_R)
+        csq = tl.zeros((BLOCK_M,), dtype=tl.float32)
         for c in tl.static_range(0, WIDTH, BLOCK_R):
             rot = tl.load(rot_ptr + d[:, None] * D + (c_start + c + r)[None, :])
             y = tl.dot(unit, rot, input_precision="tf32x3")
             codes = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.int32)
             for i in tl.static_range((1 << KEY_BITS) - 1):
                 codes += (y >= tl.load(mid_ptr + i)).to(tl.int32)
-            _store_packed(cache_ptr, base + ((c_start + c) * KEY_BITS // 8) * s_byte, s_byte, codes, keep,
-                          KEY_BITS, BLOCK_M, BLOCK_R)
+            if NORM_AT_WRITE:
+                cent = tl.load(cent_ptr + codes)
+                csq += tl.sum(cent * cent, axis=1)
+            if STORE_CODES:
+                _store_packed(cache_ptr, base + ((c_start + c) * KEY_BITS // 8) * s_byte, s_byte, codes, keep,
+                              KEY_BITS, BLOCK_M, BLOCK_R)
+        if NORM_AT_WRITE:
+            norm = tl.div_rn(norm, tl.sqrt_rn(csq + 1e-16))
         _store_fp16(cache_ptr, base + KEY_CODE_BYTES * s_byte, norm, keep & with_norm)
 
 
@@ -143,7 +152,7 @@ def _write_values(value_ptr, cache_ptr, tok, head, keep, base, s_vt, s_vh, s_vd,
 
 @triton.jit
 def _kv_write_kernel(
-    key_ptr, value_ptr, cache_ptr, slot_ptr, rot_ptr, mid_ptr,
+    key_ptr, value_ptr, cache_ptr, slot_ptr, rot_ptr, mid_ptr, cent_ptr,
     n_rows, num_kv_heads,
     s_kt, s_kh, s_kd, s_vt, s_vh, s_vd,
     s_blk, s_pos, s_head, s_byte,
@@ -151,31 +160,38 @@ def _kv_write_kernel(
     KEY_FP8: tl.constexpr, KEY_BITS: tl.constexpr, KEY_CODE_BYTES: tl.constexpr,
     VALUE_BITS: tl.constexpr, VALUE_OFFSET: tl.constexpr, VALUE_CODE_BYTES: tl.constexpr, PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, KEY_PARTS: tl.constexpr, VALUE_PARTS: tl.constexpr,
+    NORM_AT_WRITE: tl.constexpr, NORM_PART: tl.constexpr,
 ):
     """Grid (row blocks, parts). KEY_PARTS == 0: one program writes its rows' whole slots. Else program
     (i, p) writes key coordinates [p * D / KEY_PARTS, ...) for p < KEY_PARTS and value coordinates of part
     p - KEY_PARTS after: a few rows (a decode step) spread over several programs, whose latency, not the
-    bandwidth, is the kernel's time there."""
+    bandwidth, is the kernel's time there. The key norm is written by part NORM_PART: 0, or with NORM_AT_WRITE
+    (the norm needs the whole row's codes) one more part after the value parts."""
     tok, head, keep, base = _write_rows(slot_ptr, n_rows, num_kv_heads, s_blk, s_pos, s_head, BLOCK_SIZE, BLOCK_M)
     part = tl.program_id(1)
     part_rows = tl.zeros_like(tok) + part  # per row: a mask of scalar & row-vector is not a bool (interpreter)
     if KEY_PARTS == 0:  # (a grid of one part: part == 0)
-        _write_keys(key_ptr, cache_ptr, rot_ptr, mid_ptr, tok, head, keep, base, s_kt, s_kh, s_kd, s_byte, 0,
-                    FP8_MAX, D, KEY_FP8, KEY_BITS, KEY_CODE_BYTES, D, part_rows == 0, BLOCK_M, BLOCK_R)
+        _write_keys(key_ptr, cache_ptr, rot_ptr, mid_ptr, cent_ptr, tok, head, keep, base, s_kt, s_kh, s_kd,
+                    s_byte, 0, FP8_MAX, D, KEY_FP8, KEY_BITS, KEY_CODE_BYTES, D, part_rows == 0, BLOCK_M, BLOCK_R,
+                    NORM_AT_WRITE, True)
         _write_values(value_ptr, cache_ptr, tok, head, keep, base, s_vt, s_vh, s_vd, s_byte, 0, D, VALUE_BITS,
                       VALUE_OFFSET, VALUE_CODE_BYTES, PAD, D, part_rows == 0, BLOCK_M)
     else:
         KEY_W: tl.constexpr = D // KEY_PARTS
         VALUE_W: tl.constexpr = D // VALUE_PARTS
         if part < KEY_PARTS:
-            _write_keys(key_ptr, cache_ptr, rot_ptr, mid_ptr, tok, head, keep, base, s_kt, s_kh, s_kd, s_byte,
-                        part * KEY_W, FP8_MAX, D, KEY_FP8, KEY_BITS, KEY_CODE_BYTES, KEY_W, part_rows == 0,
-                        BLOCK_M, BLOCK_R)
-        else:
+            _write_keys(key_ptr, cache_ptr, rot_ptr, mid_ptr, cent_ptr, tok, head, keep, base, s_kt, s_kh, s_kd,
+                        s_byte, part * KEY_W, FP8_MAX, D, KEY_FP8, KEY_BITS, KEY_CODE_BYTES, KEY_W,
+                        part_rows == NORM_PART, BLOCK_M, BLOCK_R, False, True)
+        elif part < KEY_PARTS + VALUE_PARTS:
             vpart = part - KEY_PARTS
             _write_values(value_ptr, cache_ptr, tok, head, keep, base, s_vt, s_vh, s_vd, s_byte, vpart * VALUE_W,
                           D, VALUE_BITS, VALUE_OFFSET, VALUE_CODE_BYTES, PAD, VALUE_W, part_rows == KEY_PARTS,
                           BLOCK_M)
+        else:  # NORM_AT_WRITE's norm part: every code of the row, none stored
+            _write_keys(key_ptr, cache_ptr, rot_ptr, mid_ptr, cent_ptr, tok, head, keep, base, s_kt, s_kh, s_kd,
+                        s_byte, 0, FP8_MAX, D, KEY_FP8, KEY_BITS, KEY_CODE_BYTES, D, part_rows == NORM_PART,
+                        BLOCK_M, BLOCK_R, True, False)
 
 
 def few_rows(rows: int, device: torch.device) -> bool:
@@ -206,21 +222,26 @@ def launch_shape(rows: int, preset: Preset, device: torch.device) -> tuple[int, 
 
 
 def kv_write(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
-             preset: Preset, rotation: torch.Tensor, midpoints: torch.Tensor, launch=None) -> None:
+             preset: Preset, rotation: torch.Tensor, midpoints: torch.Tensor, launch=None,
+             centroids: torch.Tensor | None = None) -> None:
     """key, value [T, Hk, D]; kv_cache u8 [NB, BS, Hk, S] (any strides); slot_mapping int [T].
-    rotation: fp32 [D, D] contiguous; midpoints: fp32 [2^key_bits - 1] (unused for fp8 keys).
+    rotation: fp32 [D, D] contiguous; midpoints: fp32 [2^key_bits - 1] (unused for fp8 keys); centroids: fp32
+    [2^key_bits], needed where the preset corrects key norms at the write (``norm_at_write``).
     launch: wraps the kernel before its launch (``torch.library.wrap_triton`` when traced for Inductor)."""
     require_vllm_layout(preset)
+    if preset.norm_at_write and (centroids is None or centroids.numel() != 1 << preset.key_bits):
+        raise ValueError(f"{preset.name} corrects key norms at the write: pass its {1 << preset.key_bits} centroids")
     tokens, heads, dim = key.shape
     rows = tokens * heads
     if rows == 0:
         return
     block_m, block_r, key_parts, value_parts = launch_shape(rows, preset, key.device)
+    norm_part = key_parts + value_parts if preset.norm_at_write and key_parts else 0
     pad = preset.slot_bytes - preset.key_bytes - preset.value_bytes
-    grid = (triton.cdiv(rows, block_m), max(1, key_parts + value_parts))
+    grid = (triton.cdiv(rows, block_m), max(1, key_parts + value_parts + (1 if norm_part else 0)))
     kernel = _kv_write_kernel if launch is None else launch(_kv_write_kernel)
     kernel[grid](
-        key, value, kv_cache, slot_mapping, rotation, midpoints,
+        key, value, kv_cache, slot_mapping, rotation, midpoints, midpoints if centroids is None else centroids,
         rows, heads,
         *key.stride(), *value.stride(), *kv_cache.stride(),
         FP8_MAX=FP8_MAX, D=dim, BLOCK_SIZE=kv_cache.shape[1],
@@ -228,5 +249,6 @@ def kv_write(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slo
         VALUE_BITS=preset.value_bits, VALUE_OFFSET=preset.key_bytes, VALUE_CODE_BYTES=preset.value_code_bytes,
         PAD=pad,
         BLOCK_M=block_m, BLOCK_R=block_r, KEY_PARTS=key_parts, VALUE_PARTS=max(1, value_parts),
+        NORM_AT_WRITE=preset.norm_at_write, NORM_PART=norm_part,
         num_warps=4,
     )

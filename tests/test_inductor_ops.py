@@ -29,7 +29,8 @@ def test_compiled_step_equals_eager_and_calls_the_reference_op_on_cpu():
     q, k, v = torch.randn(2, 6, 64, generator=gen), torch.randn(2, 2, 64, generator=gen), torch.randn(2, 2, 64, generator=gen)
 
     def step(q, k, v, cache, slots):
-        torch.ops.tqkv.triton_kv_write(k, v, cache, slots, tables["rotation"], tables["midpoints"], preset.name)
+        torch.ops.tqkv.triton_kv_write(k, v, cache, slots, tables["rotation"], tables["midpoints"], tables["centroids"],
+                                         preset.name)
         out = torch.ops.tqkv.triton_attention(q, cache, table, seq_lens, qsl, tables["rotation"], tables["centroids"],
                                               tables["key_lut"], 0.125, preset.name)
         return out * 2 + 1

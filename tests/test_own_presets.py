@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import tqkv_compile  # noqa: F401
-from tqkv_compile.codec import OWN_PRESETS, get_preset, own_preset_names, preset_names
+from tqkv_compile.codec import OWN_PRESETS, get_preset, own_preset_names, preset_names, unpack_codes
 
 from paged import build, decoded, sdpa_over
 
@@ -112,3 +112,23 @@ def test_attention_is_close_to_sdpa_over_original_kv(name, min_cos):
     out = torch.ops.tqkv.attention(s.query, s.kv_cache, s.block_table, s.seq_lens, s.query_start_loc, SCALE, name)
     exact = sdpa_over(s, s.keys, s.values, SCALE)
     assert torch.nn.functional.cosine_similarity(out.flatten(0, 1), exact.flatten(0, 1)).mean() > min_cos
+
+
+@pytest.mark.parametrize("dim", HEAD_DIMS)
+def test_4bit_pc_is_4bit_nc_with_its_norm_corrected_at_the_write(dim):
+    """Same bytes as 4bit_nc but the key norm, stored as ||k|| / ||c|| (c the centroids the codes select); read
+    without renormalising, it gives 4bit_nc's keys up to the fp16 rounding of one factor."""
+    pc, nc = get_preset("tqkv_4bit_pc", dim), get_preset("turboquant_4bit_nc", dim)
+    assert pc.vllm_layout and pc.slot_bytes == nc.slot_bytes and not pc.norm_correction
+    key, value = outlier_kv(dim)
+    ours, theirs = pc.encode(key, value), nc.encode(key, value)
+    norm = slice(nc.key_code_bytes, nc.key_code_bytes + 2)
+    rest = torch.ones(nc.slot_bytes, dtype=torch.bool)
+    rest[norm] = False
+    assert torch.equal(ours[..., rest], theirs[..., rest])
+    raw = nc.centroids()[unpack_codes(theirs[..., : nc.key_code_bytes], 4, dim)]  # c, not renormalised
+    stored = ours[..., norm].contiguous().view(torch.float16)[..., 0].float()
+    expected = (key.norm(dim=-1) / raw.norm(dim=-1)).half().float()
+    torch.testing.assert_close(stored, expected, atol=0, rtol=1e-3)
+    assert (stored != theirs[..., norm].contiguous().view(torch.float16)[..., 0].float()).float().mean() > 0.5
+    torch.testing.assert_close(pc.decode_keys(ours), nc.decode_keys(theirs), atol=1e-2, rtol=2e-3)

@@ -381,7 +381,7 @@ def test_both_kernels_read_unaligned_slots(preset_name, kernel):
 @pytest.mark.parametrize("variant", [dict(prefetch=True), dict(prefetch=False, nc_dot=True),
                                      dict(prefetch=False, index32=False)])
 @pytest.mark.parametrize("dim", HEAD_DIMS)
-@pytest.mark.parametrize("preset_name", ["turboquant_k8v4", "turboquant_4bit_nc"])
+@pytest.mark.parametrize("preset_name", ["turboquant_k8v4", "turboquant_4bit_nc", "tqkv_4bit_pc"])
 def test_stream_kernel_matches_reference(preset_name, dim, variant):
     """The stream kernel (word loads in natural order, next tile prefetched; int64 indexing as for caches over
     2^31 half-words) on decode and mixed rows, with lengths that end mid-tile and mid-split. Every byte the
@@ -503,9 +503,10 @@ def test_ops_dispatch_to_the_triton_backend():
 @pytest.mark.parametrize("dim", HEAD_DIMS)
 @pytest.mark.parametrize("preset_name", own_preset_names())
 def test_presets_of_ours_in_the_triton_kernels(preset_name, dim):
-    """The generic kernels (lowerings/triton_general.py): kv_write stores the codec's bytes (5-bit and 2-bit
-    codes, wide runs at one bit more, the outlier channel), attention (decode and multi-token rows) and kv_dot
-    read them as the reference does."""
+    """The kernels that serve them (lowerings/triton_general.py's; vLLM's layout kernels for tqkv_4bit_pc, whose
+    write corrects the key norms): kv_write stores the codec's bytes (5-bit and 2-bit codes, wide runs at one
+    bit more, the outlier channel, corrected norms), attention (decode and multi-token rows) and kv_dot read them
+    as the reference does."""
     preset = get_preset(preset_name, dim)
     gen = torch.Generator().manual_seed(dim + 1)
     tokens = 37

@@ -209,6 +209,17 @@ def test_a_preset_of_ours_is_served_in_the_cache_of_the_vllm_preset_it_rides_on(
     assert diff_to_4bit > 1e-4  # another format than 4bit_nc's was stored and read
 
 
+def test_norms_corrected_at_the_write_serve_4bit_ncs_reconstruction():
+    """tqkv_4bit_pc: 4bit_nc's bytes but for the key norm, stored as ||k|| / ||c||: the engine serves it in
+    4bit_nc's caches at the same size, with 4bit_nc's tokens (only the norm's fp16 rounding differs)."""
+    ours = engine(LLAMA, "--mode", "compiled", "--tqkv-preset", "tqkv_4bit_pc")
+    nc = engine(LLAMA, "--mode", "compiled")
+    assert ours["served_compiled"] == TQ_LAYERS
+    assert ours["kv_capacity_tokens"] == nc["kv_capacity_tokens"]
+    same, diff, agreement = compare_logprobs(ours, nc)
+    assert same and agreement == 1.0 and diff < 1e-2
+
+
 @pytest.mark.parametrize(
     "model, kv_cache_dtype, layer, reason",
     [

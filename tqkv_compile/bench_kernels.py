@@ -124,7 +124,7 @@ def _decode_case(records, B, L, presets, vllm, tune, variants=None, cache_tokens
         nbytes = B * L * HK * p.slot_bytes
         backend = tqkv_compile.get_backend("triton")
         variants = [{}]
-        if p.spec.vllm_name is None:  # a preset of ours: triton_general's kernel (no tuning knobs)
+        if not p.vllm_layout:  # a preset of ours: triton_general's kernel (no tuning knobs)
             call = lambda kw: backend.decode_kernels(q, cache, bt, seq_lens, qsl, scale, p)  # noqa: E731
         else:
             rotation, centroids, _ = backend.tables(p, torch.device(dev))
@@ -179,11 +179,11 @@ def _write_case(records, T, presets, vllm):
         backend = tqkv_compile.get_backend("triton")
         cache = torch.zeros(num_blocks, BS, HK, p.slot_bytes, dtype=torch.uint8, device=dev)
         nbytes = T * HK * (2 * D * 2 + p.slot_bytes)
-        if p.spec.vllm_name is None:  # a preset of ours: triton_general's kernel, no vLLM counterpart
+        if not p.vllm_layout:  # a preset of ours: triton_general's kernel, no vLLM counterpart
             write = lambda: backend.kv_write(key, value, cache, slots, p)  # noqa: E731
         else:
             rotation, centroids, midpoints = backend.tables(p, torch.device(dev))
-            write = lambda: kv_write(key, value, cache, slots, p, rotation, midpoints)  # noqa: E731
+            write = lambda: kv_write(key, value, cache, slots, p, rotation, midpoints, centroids=centroids)  # noqa: E731
         try:
             us, how = _time_us(write)
             _record(records, op="kv_write", B=1, L=T, impl="tqkv", preset=name, us=round(us, 1),
@@ -205,7 +205,7 @@ def _write_case(records, T, presets, vllm):
             _record(records, op="kv_write", B=1, L=T, impl="vllm_tq", preset=name, us=round(us, 1),
                     GBps=round(nbytes / us / 1e3, 1), timing=how)
             mine = torch.zeros_like(cache)
-            kv_write(key, value, mine, slots, p, rotation, midpoints)
+            kv_write(key, value, mine, slots, p, rotation, midpoints, centroids=centroids)
             vcache.zero_()
             store()
             print(f"# kv_write {name} T={T}: bytes differing from vLLM's store: "

@@ -50,8 +50,8 @@ class TritonBackend:
         return usable and _triton_importable()
 
     def supports_preset(self, preset: Preset) -> bool:
-        """vLLM's four presets (tuned kernels) and the presets of ours that ``triton_general`` reads."""
-        if preset.spec.vllm_name is not None:
+        """vLLM's four layouts (tuned kernels) and the presets of ours that ``triton_general`` reads."""
+        if preset.vllm_layout:
             return True
         from tqkv_compile.lowerings import triton_general
 
@@ -87,7 +87,7 @@ class TritonBackend:
     def warm(self, preset: Preset, device: torch.device) -> None:
         """Build every table the kernels read for ``preset`` on ``device`` now (vLLM calls this before CUDA-graph
         capture, where host-to-device copies are not allowed)."""
-        if preset.spec.vllm_name is None:
+        if not preset.vllm_layout:
             self.general_tables(preset, device)
             return
         from tqkv_compile.lowerings.triton_attention import column_order, key_lut
@@ -97,7 +97,7 @@ class TritonBackend:
         column_order(preset, device)
 
     def kv_write(self, key, value, kv_cache, slot_mapping, preset: Preset) -> None:
-        if preset.spec.vllm_name is None:
+        if not preset.vllm_layout:
             from tqkv_compile.lowerings import triton_general
 
             rotation, _, midpoints, offsets = self.general_tables(preset, kv_cache.device)
@@ -105,8 +105,8 @@ class TritonBackend:
             return
         from tqkv_compile.lowerings.triton_kv_write import kv_write
 
-        rotation, _, midpoints = self.tables(preset, kv_cache.device)
-        kv_write(key, value, kv_cache, slot_mapping, preset, rotation, midpoints)
+        rotation, centroids, midpoints = self.tables(preset, kv_cache.device)
+        kv_write(key, value, kv_cache, slot_mapping, preset, rotation, midpoints, centroids=centroids)
 
     def attention(self, query, kv_cache, block_table, seq_lens, query_start_loc, scale, preset: Preset, key=None,
                   value=None):
@@ -157,7 +157,7 @@ class TritonBackend:
         """The decode kernels alone for every row (no prefill plan): vLLM's presets on
         :mod:`~tqkv_compile.lowerings.triton_attention`'s, ours on :mod:`~tqkv_compile.lowerings.triton_general`'s
         (what ``tqkv bench kernels`` times)."""
-        if preset.spec.vllm_name is None:
+        if not preset.vllm_layout:
             from tqkv_compile.lowerings import triton_general
 
             rotation, centroids, _, offsets = self.general_tables(preset, query.device)
@@ -170,7 +170,7 @@ class TritonBackend:
                                 rotation, centroids)
 
     def kv_dot(self, query, kv_cache, block_table, seq_lens, scale, preset: Preset):
-        if preset.spec.vllm_name is None:
+        if not preset.vllm_layout:
             from tqkv_compile.lowerings import triton_general
 
             rotation, centroids, _, offsets = self.general_tables(preset, query.device)
