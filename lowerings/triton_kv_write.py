@@ -108,10 +108,14 @@ def _write_keys(key_ptr, cache_ptr, rot_ptr, mid_ptr, cent_ptr, tok, head, keep,
             rot = tl.load(rot_ptr + d[:, None] * D + (c_start + c + r)[None, :])
             y = tl.dot(unit, rot, input_precision="tf32x3")
             codes = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.int32)
+            if NORM_AT_WRITE:  # each coordinate's centroid selected along (a gather: 1.6x the write's time)
+                cent = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32) + tl.load(cent_ptr)
             for i in tl.static_range((1 << KEY_BITS) - 1):
-                codes += (y >= tl.load(mid_ptr + i)).to(tl.int32)
+                above = y >= tl.load(mid_ptr + i)
+                codes += above.to(tl.int32)
+                if NORM_AT_WRITE:
+                    cent = tl.where(above, tl.load(cent_ptr + i + 1), cent)
             if NORM_AT_WRITE:
-                cent = tl.load(cent_ptr + codes)
                 csq += tl.sum(cent * cent, axis=1)
             if STORE_CODES:
                 _store_packed(cache_ptr, base + ((c_start + c) * KEY_BITS // 8) * s_byte, s_byte, codes, keep,
