@@ -16,7 +16,14 @@ programs that each write 32 key coordinates or half the value codes (each comput
 minimum and maximum, itself). A decode step's write is one program's latency, not bandwidth: 39 us a layer at
 one token in an engine on the H200 with whole-slot programs (13,720 SASS instructions straight-line per thread
 and 1.9 KB of spills at 32 rows); a split program is at most 4,927 (both branches; 154 registers, no spills).
-The split is not yet timed on a GPU.
+Timed on the H200: 4.8 us at one token, 4.3 at 64 (vLLM's store: 20.1), 199 at 8192 (vLLM's: 237).
+
+Norms corrected at the write (``norm_at_write``, tqkv_4bit_pc) need the whole row's codes for one value. Few
+rows: one more program computes them in one dot and writes the norm alone (the key parts write their codes
+only). Many rows: 16 rows a program instead of 32 (32 spill already). Each coordinate's centroid is gathered
+from the table. H200, 4bit_nc -> tqkv_4bit_pc, us: one token 4.8 -> 9.6, 64 tokens 4.2 -> 9.4, 8192 tokens
+198 -> 204. (Measured and dropped: the norm part in 32-column chunks, 10.5 / 9.8 / 331; the centroid selected
+along the midpoint compares instead of gathered, 9.2 / 8.9 / 237.)
 """
 
 from __future__ import annotations
@@ -108,14 +115,10 @@ def _write_keys(key_ptr, cache_ptr, rot_ptr, mid_ptr, cent_ptr, tok, head, keep,
             rot = tl.load(rot_ptr + d[:, None] * D + (c_start + c + r)[None, :])
             y = tl.dot(unit, rot, input_precision="tf32x3")
             codes = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.int32)
-            if NORM_AT_WRITE:  # each coordinate's centroid selected along (a gather: 1.6x the write's time)
-                cent = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32) + tl.load(cent_ptr)
             for i in tl.static_range((1 << KEY_BITS) - 1):
-                above = y >= tl.load(mid_ptr + i)
-                codes += above.to(tl.int32)
-                if NORM_AT_WRITE:
-                    cent = tl.where(above, tl.load(cent_ptr + i + 1), cent)
+                codes += (y >= tl.load(mid_ptr + i)).to(tl.int32)
             if NORM_AT_WRITE:
+                cent = tl.load(cent_ptr + codes)
                 csq += tl.sum(cent * cent, axis=1)
             if STORE_CODES:
                 _store_packed(cache_ptr, base + ((c_start + c) * KEY_BITS // 8) * s_byte, s_byte, codes, keep,
@@ -192,10 +195,10 @@ def _kv_write_kernel(
             _write_values(value_ptr, cache_ptr, tok, head, keep, base, s_vt, s_vh, s_vd, s_byte, vpart * VALUE_W,
                           D, VALUE_BITS, VALUE_OFFSET, VALUE_CODE_BYTES, PAD, VALUE_W, part_rows == KEY_PARTS,
                           BLOCK_M)
-        else:  # NORM_AT_WRITE's norm part: every code of the row, none stored
+        else:  # NORM_AT_WRITE's norm part: every code of the row in one dot, none stored
             _write_keys(key_ptr, cache_ptr, rot_ptr, mid_ptr, cent_ptr, tok, head, keep, base, s_kt, s_kh, s_kd,
                         s_byte, 0, FP8_MAX, D, KEY_FP8, KEY_BITS, KEY_CODE_BYTES, D, part_rows == NORM_PART,
-                        BLOCK_M, BLOCK_R, True, False)
+                        BLOCK_M, D, True, False)
 
 
 def few_rows(rows: int, device: torch.device) -> bool:
@@ -222,7 +225,9 @@ def launch_shape(rows: int, preset: Preset, device: torch.device) -> tuple[int, 
         # needs 16 rows)
         width = min(dim, 32)
         return 16, width, dim // width, 2
-    return 32, min(dim, 64), 0, 0  # the rotation is a tf32 dot: at least 16 rows
+    # the rotation is a tf32 dot: at least 16 rows; 32 spill already (1.9 KB), and the corrected norm's
+    # centroids would add to them
+    return (16 if preset.norm_at_write else 32), min(dim, 64), 0, 0
 
 
 def kv_write(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
