@@ -19,11 +19,13 @@ and 1.9 KB of spills at 32 rows); a split program is at most 4,927 (both branche
 Timed on the H200: 4.8 us at one token, 4.3 at 64 (vLLM's store: 20.1), 199 at 8192 (vLLM's: 237).
 
 Norms corrected at the write (``norm_at_write``, tqkv_4bit_pc) need the whole row's codes for one value. Few
-rows: one more program computes them in one dot and writes the norm alone (the key parts write their codes
-only). Many rows: 16 rows a program instead of 32 (32 spill already). Each coordinate's centroid is gathered
-from the table. H200, 4bit_nc -> tqkv_4bit_pc, us: one token 4.8 -> 9.6, 64 tokens 4.2 -> 9.4, 8192 tokens
-198 -> 204. (Measured and dropped: the norm part in 32-column chunks, 10.5 / 9.8 / 331; the centroid selected
-along the midpoint compares instead of gathered, 9.2 / 8.9 / 237.)
+rows: each key part stores its rows' sums of squared centroids, and the last key part of a row block to
+arrive (an atomic count) adds them up and writes the norm. Many rows: 16 rows a program instead of 32 (32
+spill already). Each coordinate's centroid is gathered from the table. H200, 4bit_nc -> tqkv_4bit_pc, us,
+at 1 / 64 / 8192 tokens: a program of its own for the norm (one dot over the whole row) 4.8 -> 9.6, 4.2 ->
+9.4, 198 -> 204; the same in 32-column chunks 10.5 / 9.8 / 331 (and whole-slot programs of 32 rows); the
+centroids selected along the midpoint compares instead of gathered 9.2 / 8.9 / 237. The last key part
+finishing the norm: not yet timed (static: 5370 SASS a program, no spills, against 4bit_nc's 4951).
 """
 
 from __future__ import annotations
@@ -93,17 +95,20 @@ def _write_rows(slot_ptr, n_rows, num_kv_heads, s_blk, s_pos, s_head, BLOCK_SIZE
 def _write_keys(key_ptr, cache_ptr, rot_ptr, mid_ptr, cent_ptr, tok, head, keep, base, s_kt, s_kh, s_kd, s_byte,
                 c_start, FP8_MAX: tl.constexpr, D: tl.constexpr, KEY_FP8: tl.constexpr, KEY_BITS: tl.constexpr,
                 KEY_CODE_BYTES: tl.constexpr, WIDTH: tl.constexpr, with_norm, BLOCK_M: tl.constexpr,
-                BLOCK_R: tl.constexpr, NORM_AT_WRITE: tl.constexpr, STORE_CODES: tl.constexpr):
+                BLOCK_R: tl.constexpr, NORM_AT_WRITE: tl.constexpr):
     """The key bytes of coordinates [c_start, c_start + WIDTH) of this program's rows (the norm too where
     ``with_norm``): fp8 bytes, or the Lloyd-Max codes of the rotated unit key (the norm is over the whole row).
-    NORM_AT_WRITE: the norm stored is ||k|| / ||c|| (c the centroids the codes select), which needs every
-    coordinate's code: WIDTH is then D where ``with_norm``. STORE_CODES false: the norm alone."""
+    NORM_AT_WRITE: the norm stored is ||k|| / ||c|| (c the centroids the codes select); a program of the whole
+    row (WIDTH == D) stores it, one of a part returns (||k||, its coordinates' sum of c^2) for the caller to
+    finish. Returns (||k||, sum of c^2) (zeros for fp8 keys)."""
     rows_k = key_ptr + tok[:, None].to(tl.int64) * s_kt + head[:, None] * s_kh
     if KEY_FP8:
         w = tl.arange(0, WIDTH)
         k = tl.load(rows_k + (c_start + w)[None, :] * s_kd, mask=keep[:, None], other=0.0).to(tl.float32)
         k8 = _fp8e4m3_bits(tl.minimum(tl.maximum(k, -FP8_MAX), FP8_MAX)).to(tl.uint8)
         tl.store(cache_ptr + base[:, None] + (c_start + w)[None, :] * s_byte, k8, mask=keep[:, None])
+        norm = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        csq = tl.zeros((BLOCK_M,), dtype=tl.float32)
     else:
         d = tl.arange(0, D)
         k = tl.load(rows_k + d[None, :] * s_kd, mask=keep[:, None], other=0.0).to(tl.float32)
@@ -120,12 +125,14 @@ def _write_keys(key_ptr, cache_ptr, rot_ptr, mid_ptr, cent_ptr, tok, head, keep,
             if NORM_AT_WRITE:
                 cent = tl.load(cent_ptr + codes)
                 csq += tl.sum(cent * cent, axis=1)
-            if STORE_CODES:
-                _store_packed(cache_ptr, base + ((c_start + c) * KEY_BITS // 8) * s_byte, s_byte, codes, keep,
-                              KEY_BITS, BLOCK_M, BLOCK_R)
-        if NORM_AT_WRITE:
-            norm = tl.div_rn(norm, tl.sqrt_rn(csq + 1e-16))
-        _store_fp16(cache_ptr, base + KEY_CODE_BYTES * s_byte, norm, keep & with_norm)
+            _store_packed(cache_ptr, base + ((c_start + c) * KEY_BITS // 8) * s_byte, s_byte, codes, keep,
+                          KEY_BITS, BLOCK_M, BLOCK_R)
+        if NORM_AT_WRITE and WIDTH == D:
+            _store_fp16(cache_ptr, base + KEY_CODE_BYTES * s_byte, tl.div_rn(norm, tl.sqrt_rn(csq + 1e-16)),
+                        keep & with_norm)
+        elif not NORM_AT_WRITE:
+            _store_fp16(cache_ptr, base + KEY_CODE_BYTES * s_byte, norm, keep & with_norm)
+    return norm, csq
 
 
 @triton.jit
@@ -159,7 +166,7 @@ def _write_values(value_ptr, cache_ptr, tok, head, keep, base, s_vt, s_vh, s_vd,
 
 @triton.jit
 def _kv_write_kernel(
-    key_ptr, value_ptr, cache_ptr, slot_ptr, rot_ptr, mid_ptr, cent_ptr,
+    key_ptr, value_ptr, cache_ptr, slot_ptr, rot_ptr, mid_ptr, cent_ptr, partial_ptr, arrived_ptr,
     n_rows, num_kv_heads,
     s_kt, s_kh, s_kd, s_vt, s_vh, s_vd,
     s_blk, s_pos, s_head, s_byte,
@@ -167,38 +174,47 @@ def _kv_write_kernel(
     KEY_FP8: tl.constexpr, KEY_BITS: tl.constexpr, KEY_CODE_BYTES: tl.constexpr,
     VALUE_BITS: tl.constexpr, VALUE_OFFSET: tl.constexpr, VALUE_CODE_BYTES: tl.constexpr, PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, KEY_PARTS: tl.constexpr, VALUE_PARTS: tl.constexpr,
-    NORM_AT_WRITE: tl.constexpr, NORM_PART: tl.constexpr,
+    NORM_AT_WRITE: tl.constexpr,
 ):
     """Grid (row blocks, parts). KEY_PARTS == 0: one program writes its rows' whole slots. Else program
     (i, p) writes key coordinates [p * D / KEY_PARTS, ...) for p < KEY_PARTS and value coordinates of part
     p - KEY_PARTS after: a few rows (a decode step) spread over several programs, whose latency, not the
-    bandwidth, is the kernel's time there. The key norm is written by part NORM_PART: 0, or with NORM_AT_WRITE
-    (the norm needs the whole row's codes) one more part after the value parts."""
+    bandwidth, is the kernel's time there. Key part 0 writes the norm; with NORM_AT_WRITE (the norm needs the
+    whole row's codes) each key part stores its rows' sums of c^2 in ``partial`` [rows, KEY_PARTS] and counts
+    itself in ``arrived`` [row blocks] (zeros), and the last to arrive adds them up in part order and writes
+    the norm."""
     tok, head, keep, base = _write_rows(slot_ptr, n_rows, num_kv_heads, s_blk, s_pos, s_head, BLOCK_SIZE, BLOCK_M)
     part = tl.program_id(1)
     part_rows = tl.zeros_like(tok) + part  # per row: a mask of scalar & row-vector is not a bool (interpreter)
     if KEY_PARTS == 0:  # (a grid of one part: part == 0)
         _write_keys(key_ptr, cache_ptr, rot_ptr, mid_ptr, cent_ptr, tok, head, keep, base, s_kt, s_kh, s_kd,
                     s_byte, 0, FP8_MAX, D, KEY_FP8, KEY_BITS, KEY_CODE_BYTES, D, part_rows == 0, BLOCK_M, BLOCK_R,
-                    NORM_AT_WRITE, True)
+                    NORM_AT_WRITE)
         _write_values(value_ptr, cache_ptr, tok, head, keep, base, s_vt, s_vh, s_vd, s_byte, 0, D, VALUE_BITS,
                       VALUE_OFFSET, VALUE_CODE_BYTES, PAD, D, part_rows == 0, BLOCK_M)
     else:
         KEY_W: tl.constexpr = D // KEY_PARTS
         VALUE_W: tl.constexpr = D // VALUE_PARTS
         if part < KEY_PARTS:
-            _write_keys(key_ptr, cache_ptr, rot_ptr, mid_ptr, cent_ptr, tok, head, keep, base, s_kt, s_kh, s_kd,
-                        s_byte, part * KEY_W, FP8_MAX, D, KEY_FP8, KEY_BITS, KEY_CODE_BYTES, KEY_W,
-                        part_rows == NORM_PART, BLOCK_M, BLOCK_R, False, True)
-        elif part < KEY_PARTS + VALUE_PARTS:
+            norm, csq = _write_keys(key_ptr, cache_ptr, rot_ptr, mid_ptr, cent_ptr, tok, head, keep, base, s_kt,
+                                    s_kh, s_kd, s_byte, part * KEY_W, FP8_MAX, D, KEY_FP8, KEY_BITS, KEY_CODE_BYTES,
+                                    KEY_W, part_rows == 0, BLOCK_M, BLOCK_R, NORM_AT_WRITE)
+            if NORM_AT_WRITE:
+                block = tl.program_id(0)
+                rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
+                tl.store(partial_ptr + rows * KEY_PARTS + part, csq)
+                # acq_rel: the partials stored before each arrival are visible to the last one to arrive
+                if tl.atomic_add(arrived_ptr + block, 1) == KEY_PARTS - 1:
+                    total = tl.zeros((BLOCK_M,), dtype=tl.float32)
+                    for p in tl.static_range(KEY_PARTS):
+                        total += tl.load(partial_ptr + rows * KEY_PARTS + p, volatile=True)
+                    _store_fp16(cache_ptr, base + KEY_CODE_BYTES * s_byte,
+                                tl.div_rn(norm, tl.sqrt_rn(total + 1e-16)), keep)
+        else:
             vpart = part - KEY_PARTS
             _write_values(value_ptr, cache_ptr, tok, head, keep, base, s_vt, s_vh, s_vd, s_byte, vpart * VALUE_W,
                           D, VALUE_BITS, VALUE_OFFSET, VALUE_CODE_BYTES, PAD, VALUE_W, part_rows == KEY_PARTS,
                           BLOCK_M)
-        else:  # NORM_AT_WRITE's norm part: every code of the row in one dot, none stored
-            _write_keys(key_ptr, cache_ptr, rot_ptr, mid_ptr, cent_ptr, tok, head, keep, base, s_kt, s_kh, s_kd,
-                        s_byte, 0, FP8_MAX, D, KEY_FP8, KEY_BITS, KEY_CODE_BYTES, D, part_rows == NORM_PART,
-                        BLOCK_M, D, True, False)
 
 
 def few_rows(rows: int, device: torch.device) -> bool:
@@ -245,12 +261,17 @@ def kv_write(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slo
     if rows == 0:
         return
     block_m, block_r, key_parts, value_parts = launch_shape(rows, preset, key.device)
-    norm_part = key_parts + value_parts if preset.norm_at_write and key_parts else 0
     pad = preset.slot_bytes - preset.key_bytes - preset.value_bytes
-    grid = (triton.cdiv(rows, block_m), max(1, key_parts + value_parts + (1 if norm_part else 0)))
+    grid = (triton.cdiv(rows, block_m), max(1, key_parts + value_parts))
+    if preset.norm_at_write and key_parts:  # the key parts' sums of c^2 and their arrival counts
+        partial = torch.empty(grid[0] * block_m * key_parts, dtype=torch.float32, device=key.device)
+        arrived = torch.zeros(grid[0], dtype=torch.int32, device=key.device)
+    else:
+        partial, arrived = midpoints, slot_mapping  # (not read)
     kernel = _kv_write_kernel if launch is None else launch(_kv_write_kernel)
     kernel[grid](
         key, value, kv_cache, slot_mapping, rotation, midpoints, midpoints if centroids is None else centroids,
+        partial, arrived,
         rows, heads,
         *key.stride(), *value.stride(), *kv_cache.stride(),
         FP8_MAX=FP8_MAX, D=dim, BLOCK_SIZE=kv_cache.shape[1],
@@ -258,6 +279,6 @@ def kv_write(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slo
         VALUE_BITS=preset.value_bits, VALUE_OFFSET=preset.key_bytes, VALUE_CODE_BYTES=preset.value_code_bytes,
         PAD=pad,
         BLOCK_M=block_m, BLOCK_R=block_r, KEY_PARTS=key_parts, VALUE_PARTS=max(1, value_parts),
-        NORM_AT_WRITE=preset.norm_at_write, NORM_PART=norm_part,
+        NORM_AT_WRITE=preset.norm_at_write,
         num_warps=4,
     )
