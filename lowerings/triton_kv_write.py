@@ -203,7 +203,9 @@ def _kv_write_kernel(
                 block = tl.program_id(0)
                 rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
                 tl.store(partial_ptr + rows * KEY_PARTS + part, csq)
-                # acq_rel: the partials stored before each arrival are visible to the last one to arrive
+                # every thread's partials stored before the one thread's arrival (acq_rel: visible to the
+                # last program to arrive, whose loads are volatile)
+                tl.debug_barrier()
                 if tl.atomic_add(arrived_ptr + block, 1) == KEY_PARTS - 1:
                     total = tl.zeros((BLOCK_M,), dtype=tl.float32)
                     for p in tl.static_range(KEY_PARTS):

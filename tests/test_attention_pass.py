@@ -125,6 +125,31 @@ def test_a_preset_of_ours_rides_only_on_its_vllm_preset(monkeypatch):
     assert "is unknown (TQKV_PRESET)" in serving.layer_fit(turboquant_layer())
 
 
+def test_a_quantized_output_is_refused_where_vllm_would_read_a_preset_of_ours(monkeypatch):
+    """Calls with output_scale go to vLLM's own attention, which reads the cache tqkv wrote: right for vLLM's
+    presets (tqkv writes their bytes), wrong for ours, so those raise instead of answering wrong."""
+    from tqkv_compile.vllm.impl_mixin import TqkvImplMixin
+
+    reads = []
+
+    class VllmImpl:  # the impl class the mixin sits in front of
+        def forward(self, layer, *args, **kwargs):
+            reads.append(layer.layer_name)
+
+    class Impl(TqkvImplMixin, VllmImpl):
+        pass
+
+    monkeypatch.setattr(serving, "_fit", {})
+    monkeypatch.setenv("TQKV_PRESET", "")
+    layer, scale = turboquant_layer(), torch.ones(1)
+    Impl().forward(layer, None, None, None, None, None, output_scale=scale)
+    assert reads == [LAYER]
+    monkeypatch.setenv("TQKV_PRESET", "tqkv_4bit_pc")
+    with pytest.raises(NotImplementedError, match="cannot read the cache of tqkv's preset 'tqkv_4bit_pc'"):
+        Impl().forward(layer, None, None, None, None, None, output_scale=scale)
+    assert reads == [LAYER]
+
+
 @pytest.mark.parametrize("version, shape, heads_first", [("0.32.0", (3, 2, 16, 140), True),
                                                           ("0.20.0", (3, 16, 2, 134), False)])
 def test_slot_view_follows_each_versions_cache_layout(monkeypatch, version, shape, heads_first):

@@ -106,7 +106,7 @@ def test_kv_dot_gives_logits_of_decoded_keys(name):
         assert torch.isneginf(logits[b, :, length:]).all()
 
 
-@pytest.mark.parametrize("name, min_cos", [("tqkv_k4o1v225", 0.93), ("tqkv_k5v3", 0.97)])
+@pytest.mark.parametrize("name, min_cos", [("tqkv_k4o1v225", 0.93), ("tqkv_k5v3", 0.97), ("tqkv_4bit_pc", 0.98)])
 def test_attention_is_close_to_sdpa_over_original_kv(name, min_cos):
     s = build(name, dim=128, lens=(64, 200, 300), new=(1, 1, 1), group=4, dtype=torch.float32, seed=3)
     out = torch.ops.tqkv.attention(s.query, s.kv_cache, s.block_table, s.seq_lens, s.query_start_loc, SCALE, name)

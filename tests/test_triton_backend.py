@@ -574,7 +574,7 @@ def test_tables_stay_fp32_when_vllm_loads_under_a_bf16_default_dtype(preset_name
     try:
         backend.warm(preset, torch.device("cpu"))
         tables = [*backend.tables(preset, torch.device("cpu")), *backend.general_tables(preset, torch.device("cpu"))]
-        if preset.spec.vllm_name is not None:
+        if preset.vllm_layout:
             tables.append(triton_attention.key_lut(preset, torch.device("cpu")))
         floats = [t for t in tables if isinstance(t, torch.Tensor) and t.is_floating_point()]
         assert floats and all(t.dtype == torch.float32 for t in floats), [t.dtype for t in floats]
@@ -640,7 +640,7 @@ def _kernel_calls(preset, cache, table, seq_lens, query):
     calls = [("kv_write", lambda: backend.kv_write(key, -key, cache, slots, preset)),
              ("kv_dot", lambda: backend.kv_dot(query, cache, table, seq_lens, 0.125, preset)),
              ("dense_decode", lambda: backend.dense_decode(cache, slots, preset, torch.float32))]
-    if preset.spec.vllm_name is None:
+    if not preset.vllm_layout:
         return calls + [("general", lambda: backend.decode_kernels(query, cache, table, seq_lens, starts, 0.125,
                                                                    preset))]
     rotation, centroids, _ = backend.tables(preset, query.device)

@@ -67,6 +67,11 @@ class PresetSpec:
     rides_on: str | None = None  # presets of ours: the vLLM preset whose slot (and allocation) holds this one
     norm_at_write: bool = False  # Lloyd-Max keys: the stored norm is ||k|| / ||c|| (readers do not renormalise)
 
+    def __post_init__(self) -> None:
+        if self.norm_at_write and (self.norm_correction or self.key_bits == 8 or self.key_extra_bits):
+            raise ValueError("norm_at_write: Lloyd-Max keys without wide coordinates, and no norm correction at "
+                             "the read (it is done at the write)")
+
 
 PRESETS: dict[str, PresetSpec] = {
     "turboquant_k8v4": PresetSpec(8, 4, False, "turboquant_k8v4"),
@@ -253,9 +258,7 @@ class Preset:
         norms = x.norm(dim=1, keepdim=True)
         rotated = (x / (norms + 1e-8)) @ self.rotation(x.device)
         narrow = torch.bucketize(rotated[:, wide:].contiguous(), lloyd_max.midpoints(self.head_dim, bits).to(x.device), right=True)
-        if norm_at_write:
-            if wide:
-                raise ValueError(f"{self.name}: norm_at_write with wide coordinates is not implemented")
+        if norm_at_write:  # (no wide coordinates: PresetSpec refuses them)
             norms = _corrected_norms(norms, lloyd_max.centroids(self.head_dim, bits).to(x.device)[narrow])
         parts = [pack_codes(narrow, bits), _fp16_bytes(norms)]
         if wide:
