@@ -400,7 +400,7 @@ def plot(records: list[dict], path: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    parser = argparse.ArgumentParser(prog="tqkv-bench-kernels", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="tqkv bench kernels", description=__doc__.split("\n")[0])
     parser.add_argument("--out", help="JSON path for the records")
     parser.add_argument("--plot", help="PNG path: achieved bandwidth vs context")
     parser.add_argument("--presets", default=",".join(PRESETS), help="comma-separated TurboQuant presets")
