@@ -11,6 +11,7 @@
 #                                                more bench options in E2E_ARGS)
 #   bash bench/h200_session.sh full              issue 4's table: bench kernels, every case, baselines, plot
 #   bash bench/h200_session.sh tune              the stream kernel's launch knobs (block_n, warps, maxnreg, stages)
+#                                                (TUNE_PRESETS, TUNE_CASES, TUNE_VARIANTS: a JSON list)
 #   bash bench/h200_session.sh prefill           the prefill paths checked against the reference, then timed
 #                                                (PREFILL_CASES, PREFILL_PRESETS): tqkv's dense path (FlashAttention /
 #                                                SDPA) and whole-prompt path, beside FA3 and FA2 (vLLM TurboQuant's
@@ -141,10 +142,10 @@ prefill)
     ;;
 tune)
     # the stream kernel's launch knobs again, after the instruction cuts (TUNE_VARIANTS: a JSON list)
-    step "stream kernel launch knobs: 4bit_nc and k8v4 at ${TUNE_CASES:-64x32768,1x32768}"
+    step "stream kernel launch knobs: ${TUNE_PRESETS:=turboquant_4bit_nc,turboquant_k8v4} at ${TUNE_CASES:-64x32768,1x32768}"
     knobs='[{}, {"block_n": 32}, {"block_n": 128}, {"num_warps": 8}, {"block_n": 128, "num_warps": 8},
             {"maxnreg": 128}, {"maxnreg": 255}, {"num_stages": 2}]'
-    timeout ${TUNE_TIMEOUT:-200} python3 -m tqkv_compile.bench_kernels --tune --presets turboquant_4bit_nc,turboquant_k8v4 \
+    timeout ${TUNE_TIMEOUT:-200} python3 -m tqkv_compile.bench_kernels --tune --presets $TUNE_PRESETS \
         --cases ${TUNE_CASES:-64x32768,1x32768} --out "$OUT/h200-tune.json" --variants "${TUNE_VARIANTS:-$knobs}" > "$OUT/tune.log" 2>&1
     python3 -c "import json, sys
 for r in json.load(open(sys.argv[1]))[1:]: print(r['preset'], f\"{r['B']}x{r['L']}\", r.get('us', r.get('error', '')[:80]), r['variant'])" \
