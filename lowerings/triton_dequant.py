@@ -26,7 +26,8 @@ from tqkv_compile.lowerings.triton_kv_write import _write_rows
 
 
 def supports(preset: Preset) -> bool:
-    """vLLM's four layouts (Lloyd-Max or fp8 keys, uniform values, no wide runs or outliers)."""
+    """vLLM's four layouts (Lloyd-Max or fp8 keys, uniform values, no wide runs or outliers), and presets of ours
+    laid out as they are (``Preset.vllm_layout``)."""
     return preset.vllm_layout
 
 

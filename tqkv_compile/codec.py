@@ -288,7 +288,8 @@ class Preset:
             key_hat = k.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float()
         else:
             rest, index, outliers = self._split_outliers(k) if self.key_outliers else (k, None, None)
-            key_hat = self._lloyd_max_round_trip(rest, self.key_bits, self.key_wide_coords, self.norm_correction)
+            key_hat = self._lloyd_max_round_trip(rest, self.key_bits, self.key_wide_coords, self.norm_correction,
+                                                 self.norm_at_write)
             if self.key_outliers:
                 key_hat = key_hat.scatter(1, index, outliers.float())
         if self.value_lloyd_max:
@@ -302,7 +303,8 @@ class Preset:
             value_hat = codes.float() * scale.half().float() + low.half().float()
         return key_hat.reshape(tokens, heads, dim), value_hat.reshape(tokens, heads, dim)
 
-    def _lloyd_max_round_trip(self, x: torch.Tensor, bits: int, wide: int, norm_correction: bool) -> torch.Tensor:
+    def _lloyd_max_round_trip(self, x: torch.Tensor, bits: int, wide: int, norm_correction: bool,
+                              norm_at_write: bool = False) -> torch.Tensor:
         dim = self.head_dim
         norms = x.norm(dim=1, keepdim=True)
         rotated = (x / (norms + 1e-8)) @ self.rotation(x.device)
@@ -314,7 +316,7 @@ class Preset:
             unit = torch.cat([wide_table[torch.bucketize(rotated[:, :wide].contiguous(), wide_mid, right=True)], unit], 1)
         if norm_correction:
             unit = unit / torch.sqrt((unit * unit).sum(-1, keepdim=True) + 1e-16)
-        elif self.norm_at_write:
+        elif norm_at_write:
             norms = _corrected_norms(norms, unit)
         return (unit @ self.rotation(x.device)) * norms.half().float()
 

@@ -23,9 +23,7 @@ class TqkvImplMixin:
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output=None, output_scale=None,
                 output_block_scale=None):
-        if not serving.serves(layer) or output_scale is not None or output_block_scale is not None:
-            if serving.serves(layer):
-                serving.check_vllm_reads(layer)
+        if serving.vllm_attends(layer, output_scale, output_block_scale):
             return super().forward(layer, query, key, value, kv_cache, attn_metadata, output=output,
                                    output_scale=output_scale, output_block_scale=output_block_scale)
         serving.attend(layer, query, kv_cache, attn_metadata, output, path="impl", key=key, value=value)

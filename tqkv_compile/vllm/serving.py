@@ -93,16 +93,22 @@ def serves(layer: Any) -> bool:
     return _fit[name]
 
 
-def check_vllm_reads(layer: Any) -> None:
-    """vLLM's own attention is about to read a cache tqkv writes: a call tqkv does not serve (a quantized output,
-    ``output_scale``). Fine for vLLM's presets, whose bytes tqkv writes; a preset of ours would be read wrong
+def vllm_attends(layer: Any, output_scale: Any, output_block_scale: Any) -> bool:
+    """Whether vLLM's own attention serves this call: a layer tqkv does not serve, or a quantized output
+    (``output_scale`` / ``output_block_scale``), which tqkv does not produce. In the latter vLLM reads the cache
+    tqkv wrote: fine for vLLM's presets, whose bytes tqkv writes; a preset of ours would be read wrong
     (tqkv_4bit_pc's keys 1/||c|| off, the others as garbage), so that is refused rather than answered wrong."""
+    if not serves(layer):
+        return True
+    if output_scale is None and output_block_scale is None:
+        return False
     stored = stored_preset(layer.kv_cache_dtype)
     if stored != layer.kv_cache_dtype:
         raise NotImplementedError(
             f"layer {layer.layer_name}: vLLM asks for a quantized attention output (output_scale), which tqkv does "
             f"not serve, and vLLM's own kernels cannot read the cache of tqkv's preset {stored!r}; store a vLLM "
             "preset (unset TQKV_PRESET) or turn off vLLM's attention output quantization fusion")
+    return True
 
 
 def record_fallback(name: str, reason: str) -> None:

@@ -41,9 +41,7 @@ def register() -> None:
         kv_cache_dummy_dep: torch.Tensor | None = None,
     ) -> None:
         context = adapter.layer_context(adapter.layer_name_str(layer_name))
-        if not serving.serves(context.layer) or output_scale is not None or output_block_scale is not None:
-            if serving.serves(context.layer):
-                serving.check_vllm_reads(context.layer)
+        if serving.vllm_attends(context.layer, output_scale, output_block_scale):
             torch.ops.vllm.unified_attention_with_output(
                 query, key, value, output, layer_name, output_scale, output_block_scale, kv_cache_dummy_dep
             )
