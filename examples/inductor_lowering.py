@@ -8,8 +8,9 @@ compiled step against eager and against the reference backend.
     python examples/inductor_lowering.py            # CUDA if present, else the CPU (reference fallback)
     python examples/inductor_lowering.py --show 40  # more of the generated code
 
-On CUDA the generated code defines and launches ``_kv_write_kernel``, ``_prepare_query_kernel``,
-``_decode_stream_kernel`` and ``_merge_kernel`` itself; on the CPU it calls ``tqkv::kv_write`` /
+On CUDA the generated code defines and launches ``_kv_write_kernel``, ``_decode_stream_kernel`` (which
+rotates a bf16 / fp16 query itself; ``_prepare_query_kernel`` does it before for an fp32 one) and
+``_merge_kernel`` itself; on the CPU it calls ``tqkv::kv_write`` /
 ``tqkv::attention`` (reference backend).
 """
 
@@ -62,7 +63,7 @@ def main() -> int:
         torch.ops.tqkv.triton_kv_write(k, v, cache, slots, tables["rotation"], tables["midpoints"], tables["centroids"],
                                          preset.name)
         out = torch.ops.tqkv.triton_attention(q, cache, table, seq_lens, query_start_loc, tables["rotation"],
-                                              tables["centroids"], tables["key_lut"], scale, preset.name)
+                                              tables["centroids"], tables["key_lut"], tables["signs"], scale, preset.name)
         return out.float() * 2.0  # something for Inductor to fuse after the op
 
     eager_cache, compiled_cache = cache.clone(), cache.clone()

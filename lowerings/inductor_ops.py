@@ -7,9 +7,9 @@ function of preset and shape chosen by measurement (``default_kernel`` and the d
 ``decode_attention``, from the H200 sweeps), its input is a packed byte cache no Inductor node produces, and
 its output feeds the o_proj matmul, which does not fuse into it; the split-KV merge is a second kernel either
 way. What Inductor can do with a ``triton_op`` is what matters here: it traces the launcher (``decode_attention``
-with ``torch.library.wrap_triton``) into the graph, so the scratch allocations and the kernel launches (query
-preparation, decode, merge) appear in the generated code as ordinary nodes and user-defined Triton kernels (no
-call back into Python), and they are captured by CUDA graphs with the rest. The tables (rotation, centroids, lookup
+with ``torch.library.wrap_triton``) into the graph, so the scratch allocations and the kernel launches (decode
+and merge; a query preparation launch before them for fp32 queries) appear in the generated code as ordinary nodes and user-defined Triton kernels (no
+call back into Python), and they are captured by CUDA graphs with the rest. The tables (rotation, its signs, centroids, lookup
 tables) are op inputs so that the traced graph holds no Python-side caches.
 
 Off CUDA the ops are ``tqkv::kv_write`` / ``tqkv::attention`` themselves (checked, reference backend): Inductor
@@ -35,13 +35,13 @@ from tqkv_compile.codec import get_preset
 
 def tables(preset_name: str, head_dim: int, device: torch.device) -> dict[str, torch.Tensor]:
     """The op inputs that carry a preset's tables on device: rotation, centroids, midpoints, the stream
-    kernel's key lookup table (kept by the Triton backend, built once)."""
-    from tqkv_compile.lowerings.triton_attention import key_lut
+    kernel's key lookup table and rotation signs (kept by the Triton backend, built once)."""
+    from tqkv_compile.lowerings.triton_attention import key_lut, rotation_signs
 
     preset = get_preset(preset_name, head_dim)
     rotation, centroids, midpoints = get_backend("triton").tables(preset, torch.device(device))
     return dict(rotation=rotation, centroids=centroids, midpoints=midpoints,
-                key_lut=key_lut(preset, torch.device(device)))
+                key_lut=key_lut(preset, torch.device(device)), signs=rotation_signs(head_dim, torch.device(device)))
 
 
 @triton_op("tqkv::triton_kv_write", mutates_args=("kv_cache",))
@@ -61,7 +61,7 @@ def triton_kv_write(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tens
 @triton_op("tqkv::triton_attention", mutates_args=())
 def triton_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
                      query_start_loc: torch.Tensor, rotation: torch.Tensor, centroids: torch.Tensor,
-                     key_lut: torch.Tensor, scale: float, preset: str) -> torch.Tensor:
+                     key_lut: torch.Tensor, signs: torch.Tensor, scale: float, preset: str) -> torch.Tensor:
     """As ``tqkv::attention``, through the Triton decode kernels on CUDA (no input checks there); elsewhere it
     is ``tqkv::attention`` itself."""
     if query.device.type != "cuda":
@@ -70,4 +70,4 @@ def triton_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: t
 
     return decode_attention(query, kv_cache, block_table, seq_lens, query_start_loc, scale,
                             get_preset(preset, query.shape[-1]), rotation, centroids, lut=key_lut,
-                            launch=wrap_triton)
+                            signs=signs, launch=wrap_triton)

@@ -6,7 +6,8 @@ one split of that row's causal context, in tiles of ``BLOCK_N`` positions:
 
 - keys: codes unpacked in registers, centroids chosen by a select tree over the code bits (no memory
   gather); scores = dot(q @ H, centroids) * ||k|| / ||c|| (nc), or dot(q, fp8 keys). The query is rotated
-  and scaled by ``scale * log2(e)`` once, before the kernel (:mod:`triton_query`);
+  and scaled by ``scale * log2(e)`` once: by each stream-kernel program itself (``_stream_query``, the
+  rotation being vLLM's Hadamard), or in a launch before the kernel (:mod:`triton_query`);
 - softmax in base 2 (``exp2``), online over the tiles;
 - values: integer codes are exact in fp16, so ``P.V = (P * scale) . codes + (P . zero)`` per column.
 
@@ -30,6 +31,7 @@ import triton.language as tl
 
 from tqkv_compile.codec import Preset
 from tqkv_compile.lowerings.triton_query import prepare_query
+from tqkv_compile.rotation import hadamard
 
 LOG2E = 1.4426950408889634
 
@@ -571,8 +573,33 @@ def _fp8x4_fp16(words):
 
 
 @triton.jit
+def _stream_query(q_ptr, signs_ptr, row, q_heads, head_ok, s_qt, s_qh, s_qd, D: tl.constexpr,
+                  BLOCK_H: tl.constexpr, ROTATE: tl.constexpr, Q_PRE: tl.constexpr, Q_POST: tl.constexpr,
+                  DTYPE: tl.constexpr, PRECISION: tl.constexpr):
+    """The query group [BLOCK_H, D] as the tile loop's dot needs it, from the model's query: times Q_PRE (a
+    power of two: exact), rotated by the Hadamard signs (+-1 in fp16 [D, D]: exact products, fp32 sums) where
+    ROTATE, times Q_POST, in DTYPE. Q_PRE x Q_POST is the softmax scale x log2(e) (/ sqrt(D) with the
+    rotation), so this equals :func:`~tqkv_compile.lowerings.triton_query.prepare_query`'s query but for the
+    order of the fp32 sums, and it costs no launch of its own."""
+    rows = q_ptr + row * s_qt + q_heads[:, None] * s_qh
+    d = tl.arange(0, D)
+    if ROTATE:
+        ROT_K: tl.constexpr = 32 if D >= 32 else D
+        acc = tl.zeros((BLOCK_H, D), tl.float32)
+        for k0 in tl.static_range(0, D, ROT_K):
+            k = k0 + tl.arange(0, ROT_K)
+            x = tl.load(rows + k[None, :] * s_qd, mask=head_ok[:, None], other=0.0).to(tl.float32) * Q_PRE
+            h = tl.load(signs_ptr + k[:, None] * D + d[None, :])
+            acc = tl.dot(x.to(DTYPE), h.to(DTYPE), acc, input_precision=PRECISION)
+    else:
+        acc = tl.load(rows + d[None, :] * s_qd, mask=head_ok[:, None], other=0.0).to(tl.float32) * Q_PRE
+    return (acc * Q_POST).to(DTYPE)
+
+
+@triton.jit
 def _decode_stream_kernel(
-    q_ptr, cache_ptr, block_table_ptr, seq_lens_ptr, qsl_ptr, cent_ptr, key_lut_ptr, part_out_ptr, part_lse_ptr,
+    q_ptr, signs_ptr, cache_ptr, block_table_ptr, seq_lens_ptr, qsl_ptr, cent_ptr, key_lut_ptr, part_out_ptr,
+    part_lse_ptr,
     num_seqs, max_len,
     s_qt, s_qh, s_qd, s_bt, s_bm,
     h_blk, h_pos, h_head,
@@ -582,6 +609,7 @@ def _decode_stream_kernel(
     VALUE_OFFSET: tl.constexpr, VALUE_CODE_BYTES: tl.constexpr,
     DOT_FP32: tl.constexpr, KEY_WORD: tl.constexpr, VALUE_WORD: tl.constexpr, PREFETCH: tl.constexpr,
     NC_DOT: tl.constexpr, ASM: tl.constexpr, INDEX32: tl.constexpr,
+    QUERY_IN_KERNEL: tl.constexpr, ROTATE_QUERY: tl.constexpr, Q_PRE: tl.constexpr, Q_POST: tl.constexpr,
 ):
     """The split kernel's contract (see :func:`_decode_split_kernel`) for fp8 or 4-bit Lloyd-Max keys with
     4-bit uniform values (k8v4, 4bit_nc), a cache whose last stride is 1 and whose fields are WORD-byte
@@ -589,7 +617,8 @@ def _decode_stream_kernel(
     view spans fewer than 2^31 such units): every field is read as WORD-byte words and unpacked into natural
     coordinate order (no query permutation). With PREFETCH, the next tile's words and the tile after's block
     ids are loaded before the current tile is computed (software pipelining by hand: the loads are in flight
-    during the math)."""
+    during the math). With QUERY_IN_KERNEL, ``q_ptr`` is the model's query and :func:`_stream_query` rotates
+    and scales it (no launch of :func:`prepare_query`); otherwise it is prepare_query's."""
     row = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -606,8 +635,13 @@ def _decode_stream_kernel(
         return
 
     d = tl.arange(0, D)
-    q = tl.load(q_ptr + row * s_qt + q_heads[:, None] * s_qh + d[None, :] * s_qd, mask=head_ok[:, None], other=0.0)
-    q = q.to(DTYPE)
+    if QUERY_IN_KERNEL:
+        q = _stream_query(q_ptr, signs_ptr, row, q_heads, head_ok, s_qt, s_qh, s_qd, D, BLOCK_H, ROTATE_QUERY,
+                          Q_PRE, Q_POST, DTYPE, PRECISION)
+    else:
+        q = tl.load(q_ptr + row * s_qt + q_heads[:, None] * s_qh + d[None, :] * s_qd, mask=head_ok[:, None],
+                    other=0.0)
+        q = q.to(DTYPE)
     if NC_DOT:
         ones = tl.full((BLOCK_H, D), 1.0, DTYPE)
     m_i = tl.full((BLOCK_H,), float("-inf"), tl.float32)
@@ -825,6 +859,7 @@ def stream_words(preset: Preset, kv_cache: torch.Tensor, asm: bool) -> tuple[int
 
 _LUTS: dict[tuple[str, int, str], torch.Tensor] = {}
 _ORDERS: dict[tuple[str, int, str], torch.Tensor] = {}
+_SIGNS: dict[tuple[int, str], torch.Tensor] = {}
 
 
 def _lut_words(table: torch.Tensor) -> torch.Tensor:
@@ -845,6 +880,15 @@ def key_lut(preset: Preset, device: torch.device) -> torch.Tensor:
         cents = preset.centroids("cpu").float() if four_bit_keys else torch.zeros(16, dtype=torch.float32)
         _LUTS[key] = _lut_words(cents).to(device)
     return _LUTS[key]
+
+
+def rotation_signs(dim: int, device: torch.device) -> torch.Tensor:
+    """The Hadamard rotation's signs, sqrt(dim) x H as fp16 [dim, dim] (+-1, exact) on ``device``, built once:
+    the stream kernel rotates the query with them (:func:`_stream_query`)."""
+    key = (dim, str(device))
+    if key not in _SIGNS:
+        _SIGNS[key] = torch.sign(hadamard(dim)).to(torch.float16).to(device)
+    return _SIGNS[key]
 
 
 def column_order(preset: Preset, device: torch.device) -> torch.Tensor:
@@ -889,12 +933,16 @@ def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: t
                      kernel: str | None = None,
                      prefetch: bool = False, nc_dot: bool | None = None, asm: bool = True,
                      maxnreg: int | None = None, lut: torch.Tensor | None = None,
-                     index32: bool | None = None, launch=None) -> torch.Tensor:
+                     index32: bool | None = None, signs: torch.Tensor | None = None,
+                     query_in_kernel: bool | None = None, launch=None) -> torch.Tensor:
     """query [T, Hq, D] -> out [T, Hq, D] (query dtype); see the module docstring and ops.attention.
     ``kernel``: "stream", "words" or "bytes" (default: :func:`default_kernel`); the other keywords are tuning
     knobs (the H200 sweep's best by default). ``lut``: the stream kernel's key lookup table (default:
     :func:`key_lut`, built once per preset and device). ``index32``: the stream kernel's int32 indexing
-    (default: wherever the cache view spans fewer than 2^31 half-words; False forces int64). ``launch``: wraps
+    (default: wherever the cache view spans fewer than 2^31 half-words; False forces int64). ``signs``: the
+    stream kernel's rotation as +-1 (default: :func:`rotation_signs`); ``query_in_kernel``: the stream kernel
+    rotates and scales the query itself (default: for fp16 / bf16 queries, and interpreted; False: a
+    :func:`prepare_query` launch first). ``launch``: wraps
     each kernel before its launch (``torch.library.wrap_triton`` when traced for Inductor, see
     :mod:`tqkv_compile.lowerings.inductor_ops`)."""
     require_vllm_layout(preset)
@@ -940,10 +988,20 @@ def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: t
         words = stream_words(preset, kv_cache, asm=asm and not interpret)
         if words is None:
             raise ValueError(f"the stream kernel cannot read {preset.name} from this cache view")
-        q = prepare_query(query, None if preset.key_fp8 else rotation, None, scale * LOG2E, launch)
+        rotate = not preset.key_fp8
+        if query_in_kernel is None:  # fp32 queries on the GPU keep prepare_query's fp32 rotation
+            query_in_kernel = interpret or query.dtype in (torch.float16, torch.bfloat16)
+        q_scale = scale * LOG2E / (math.sqrt(dim) if rotate else 1.0)
+        q_pre = 2.0 ** math.floor(math.log2(q_scale))
+        if query_in_kernel:
+            q = query
+            signs = signs if signs is not None else rotation_signs(dim, query.device)
+        else:
+            q = prepare_query(query, rotation if rotate else None, None, scale * LOG2E, launch)
+            signs = q
         lut = lut if lut is not None else key_lut(preset, query.device)
         launch(_decode_stream_kernel)[(rows, kv_heads, splits)](
-            q, kv_cache, block_table, seq_lens, query_start_loc, centroids, lut, part_out, part_lse,
+            q, signs, kv_cache, block_table, seq_lens, query_start_loc, centroids, lut, part_out, part_lse,
             num_seqs, max_len, *q.stride(), *block_table.stride(), *(st // 2 for st in kv_cache.stride()[:3]),
             GROUP=common["GROUP"], BLOCK_H=common["BLOCK_H"], D=dim, BLOCK_SIZE=kv_cache.shape[1], BLOCK_N=block_n,
             NUM_SPLITS=splits, SEARCH_STEPS=common["SEARCH_STEPS"], KEY_FP8=preset.key_fp8,
@@ -951,6 +1009,7 @@ def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: t
             VALUE_OFFSET=preset.key_bytes, VALUE_CODE_BYTES=preset.value_code_bytes, DOT_FP32=interpret,
             KEY_WORD=words[0], VALUE_WORD=words[1], ASM=words[2], PREFETCH=prefetch, NC_DOT=nc_dot,
             INDEX32=index32 is not False and _halves_span(kv_cache) < 2**31,
+            QUERY_IN_KERNEL=query_in_kernel, ROTATE_QUERY=rotate, Q_PRE=q_pre, Q_POST=q_scale / q_pre,
             num_warps=num_warps or 4, num_stages=num_stages or 1,
             **({} if maxnreg is None else {"maxnreg": maxnreg}),
         )

@@ -32,7 +32,7 @@ def test_compiled_step_equals_eager_and_calls_the_reference_op_on_cpu():
         torch.ops.tqkv.triton_kv_write(k, v, cache, slots, tables["rotation"], tables["midpoints"], tables["centroids"],
                                          preset.name)
         out = torch.ops.tqkv.triton_attention(q, cache, table, seq_lens, qsl, tables["rotation"], tables["centroids"],
-                                              tables["key_lut"], 0.125, preset.name)
+                                              tables["key_lut"], tables["signs"], 0.125, preset.name)
         return out * 2 + 1
 
     eager_cache, compiled_cache = cache.clone(), cache.clone()

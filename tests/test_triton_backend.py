@@ -379,12 +379,12 @@ def test_both_kernels_read_unaligned_slots(preset_name, kernel):
 
 
 @pytest.mark.parametrize("variant", [dict(prefetch=True), dict(prefetch=False, nc_dot=True),
-                                     dict(prefetch=False, index32=False)])
+                                     dict(prefetch=False, index32=False), dict(query_in_kernel=False)])
 @pytest.mark.parametrize("dim", HEAD_DIMS)
 @pytest.mark.parametrize("preset_name", ["turboquant_k8v4", "turboquant_4bit_nc", "tqkv_4bit_pc"])
 def test_stream_kernel_matches_reference(preset_name, dim, variant):
     """The stream kernel (word loads in natural order, next tile prefetched; int64 indexing as for caches over
-    2^31 half-words) on decode and mixed rows, with lengths that end mid-tile and mid-split. Every byte the
+    2^31 half-words; the query rotated in the kernel, or by prepare_query's launch) on decode and mixed rows, with lengths that end mid-tile and mid-split. Every byte the
     sequences do not hold is 0xFF (NaN as fp16 and as fp8): the kernel's unmasked code loads past a
     sequence's end read such bytes, and must drop them."""
     preset = get_preset(preset_name, dim)
@@ -551,6 +551,7 @@ def test_warm_builds_every_table_before_the_first_call():
         else:
             assert (name, 128, "cpu") in backend._tables
             assert (name, 128, "cpu") in triton_attention._LUTS and (name, 128, "cpu") in triton_attention._ORDERS
+            assert (128, "cpu") in triton_attention._SIGNS
     key_lut = triton_attention._LUTS[("turboquant_4bit_nc", 128, "cpu")]
     assert key_lut.dtype == torch.int32 and key_lut.shape == (8,)
 

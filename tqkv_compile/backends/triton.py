@@ -90,11 +90,12 @@ class TritonBackend:
         if not preset.vllm_layout:
             self.general_tables(preset, device)
             return
-        from tqkv_compile.lowerings.triton_attention import column_order, key_lut
+        from tqkv_compile.lowerings.triton_attention import column_order, key_lut, rotation_signs
 
         self.tables(preset, device)
         key_lut(preset, device)
         column_order(preset, device)
+        rotation_signs(preset.head_dim, device)
 
     def kv_write(self, key, value, kv_cache, slot_mapping, preset: Preset) -> None:
         if not preset.vllm_layout:
