@@ -941,8 +941,8 @@ def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: t
     :func:`key_lut`, built once per preset and device). ``index32``: the stream kernel's int32 indexing
     (default: wherever the cache view spans fewer than 2^31 half-words; False forces int64). ``signs``: the
     stream kernel's rotation as +-1 (default: :func:`rotation_signs`); ``query_in_kernel``: the stream kernel
-    rotates and scales the query itself (default: for fp16 / bf16 queries, and interpreted; False: a
-    :func:`prepare_query` launch first). ``launch``: wraps
+    rotates and scales the query itself (default: for fp8 keys, whose query is only scaled, with fp16 / bf16
+    queries and interpreted; False: a :func:`prepare_query` launch first). ``launch``: wraps
     each kernel before its launch (``torch.library.wrap_triton`` when traced for Inductor, see
     :mod:`tqkv_compile.lowerings.inductor_ops`)."""
     require_vllm_layout(preset)
@@ -989,8 +989,12 @@ def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: t
         if words is None:
             raise ValueError(f"the stream kernel cannot read {preset.name} from this cache view")
         rotate = not preset.key_fp8
-        if query_in_kernel is None:  # fp32 queries on the GPU keep prepare_query's fp32 rotation
-            query_in_kernel = interpret or query.dtype in (torch.float16, torch.bfloat16)
+        if query_in_kernel is None:
+            # fp8 keys: the query is only scaled, in the kernel (H200: k8v4 40.1 -> 37.9 us at 1 x 32768). 4-bit
+            # keys: the in-kernel rotation's prologue (a [16, D] x [D, D] dot, 32 KB of signs) cost what the
+            # launch saved (tqkv_4bit_pc 46.8 -> 47.9 us, 351.3 -> 355.7 at 64 x 4096), so prepare_query
+            # rotates. fp32 queries on the GPU keep prepare_query's fp32 path either way.
+            query_in_kernel = preset.key_fp8 and (interpret or query.dtype in (torch.float16, torch.bfloat16))
         q_scale = scale * LOG2E / (math.sqrt(dim) if rotate else 1.0)
         q_pre = 2.0 ** math.floor(math.log2(q_scale))
         if query_in_kernel:
