@@ -81,7 +81,7 @@ def loop_sass(sass: str) -> dict:
 
 
 def stream_kernel(preset_name: str, dim: int, block_n: int, warps: int, maxnreg: int | None, prefetch: bool,
-                  index32: bool = True, query_in_kernel: bool = True) -> dict:
+                  index32: bool = True, query_in_kernel: bool | None = None, merge: bool = True) -> dict:
     p = tqkv_compile.get_preset(preset_name, dim)
     key_word, value_word = (4 if p.key_fp8 else 2), 2  # the GPU's asm path (stream_words)
     constexprs = dict(GROUP=4, BLOCK_H=16, D=dim, BLOCK_SIZE=16, BLOCK_N=block_n, NUM_SPLITS=2, SEARCH_STEPS=7,
@@ -89,12 +89,16 @@ def stream_kernel(preset_name: str, dim: int, block_n: int, warps: int, maxnreg:
                       VALUE_OFFSET=p.key_bytes, VALUE_CODE_BYTES=p.value_code_bytes, DOT_FP32=False,
                       KEY_WORD=key_word, VALUE_WORD=value_word, PREFETCH=prefetch, NC_DOT=True, ASM=True,
                       **({'INDEX32': index32} if 'INDEX32' in ta._decode_stream_kernel.arg_names else {}))
-    if "QUERY_IN_KERNEL" in ta._decode_stream_kernel.arg_names:  # the bf16 query rotated in the kernel
+    if query_in_kernel is None:  # the launcher's default: fp8 keys' queries are prepared in the kernel
+        query_in_kernel = p.key_fp8
+    if "QUERY_IN_KERNEL" in ta._decode_stream_kernel.arg_names:  # a bf16 query prepared in the kernel
         scale = 0.125 * ta.LOG2E / (1.0 if p.key_fp8 else dim ** 0.5)
         pre = 2.0 ** math.floor(math.log2(scale))
         constexprs.update(QUERY_IN_KERNEL=query_in_kernel, ROTATE_QUERY=not p.key_fp8, Q_PRE=pre,
                           Q_POST=scale / pre)
-    pointers = dict(q_ptr="*bf16" if query_in_kernel else "*fp32", signs_ptr="*fp16", cache_ptr="*u8", block_table_ptr="*i32", seq_lens_ptr="*i32", qsl_ptr="*i32",
+    if "MERGE" in ta._decode_stream_kernel.arg_names:
+        constexprs.update(MERGE=merge)
+    pointers = dict(q_ptr="*bf16" if query_in_kernel else "*fp32", signs_ptr="*fp16", out_ptr="*bf16", count_ptr="*i32", cache_ptr="*u8", block_table_ptr="*i32", seq_lens_ptr="*i32", qsl_ptr="*i32",
                     cent_ptr="*fp32", key_lut_ptr="*i32", value_lut_ptr="*i32", part_out_ptr="*fp32",
                     part_lse_ptr="*fp32")  # (value_lut_ptr: older commits' kernels)
     fn = ta._decode_stream_kernel
@@ -110,14 +114,15 @@ def main() -> int:
     parser.add_argument("--warps", type=int, default=4)
     parser.add_argument("--maxnreg", type=int, default=None, help="default: the launcher's (168 / 128)")
     parser.add_argument("--prefetch", action="store_true")
-    parser.add_argument("--query-prepared", action="store_true",
-                        help="the query from prepare_query's launch (fp32) instead of rotated in the kernel")
+    parser.add_argument("--query-in-kernel", choices=("auto", "yes", "no"), default="auto",
+                        help="the query prepared in the kernel (bf16) or by prepare_query's launch (fp32); "
+                             "auto: as the launcher (in the kernel for fp8 keys)")
     args = parser.parse_args()
     for name in args.preset or ["turboquant_4bit_nc", "turboquant_k8v4"]:
         fp8 = tqkv_compile.get_preset(name, args.head_dim).key_fp8
         maxnreg = args.maxnreg or (128 if fp8 else 168)
         result = stream_kernel(name, args.head_dim, args.block_n, args.warps, maxnreg, args.prefetch,
-                               query_in_kernel=not args.query_prepared)
+                               query_in_kernel={"auto": None, "yes": True, "no": False}[args.query_in_kernel])
         print(f"{name} D{args.head_dim} BLOCK_N {args.block_n} warps {args.warps} maxnreg {maxnreg} "
               f"prefetch {args.prefetch}: " + " ".join(f"{k}={v}" for k, v in result.items()), flush=True)
     return 0

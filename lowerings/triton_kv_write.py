@@ -35,6 +35,7 @@ import triton
 import triton.language as tl
 
 from tqkv_compile.codec import FP8_MAX, Preset
+from tqkv_compile.lowerings.arrivals import arrival_counts
 from tqkv_compile.lowerings.triton_attention import require_vllm_layout
 
 
@@ -181,8 +182,8 @@ def _kv_write_kernel(
     p - KEY_PARTS after: a few rows (a decode step) spread over several programs, whose latency, not the
     bandwidth, is the kernel's time there. Key part 0 writes the norm; with NORM_AT_WRITE (the norm needs the
     whole row's codes) each key part stores its rows' sums of c^2 in ``partial`` [rows, KEY_PARTS] and counts
-    itself in ``arrived`` [row blocks] (zeros), and the last to arrive adds them up in part order and writes
-    the norm."""
+    itself in ``arrived`` [row blocks] (zeros), and the last to arrive adds them up in part order, writes
+    the norm and puts the count back to zero (:mod:`~tqkv_compile.lowerings.arrivals`)."""
     tok, head, keep, base = _write_rows(slot_ptr, n_rows, num_kv_heads, s_blk, s_pos, s_head, BLOCK_SIZE, BLOCK_M)
     part = tl.program_id(1)
     part_rows = tl.zeros_like(tok) + part  # per row: a mask of scalar & row-vector is not a bool (interpreter)
@@ -212,6 +213,7 @@ def _kv_write_kernel(
                         total += tl.load(partial_ptr + rows * KEY_PARTS + p, volatile=True)
                     _store_fp16(cache_ptr, base + KEY_CODE_BYTES * s_byte,
                                 tl.div_rn(norm, tl.sqrt_rn(total + 1e-16)), keep)
+                    tl.atomic_xchg(arrived_ptr + block, 0)  # zero again for the next launch (arrivals.py)
         else:
             vpart = part - KEY_PARTS
             _write_values(value_ptr, cache_ptr, tok, head, keep, base, s_vt, s_vh, s_vd, s_byte, vpart * VALUE_W,
@@ -267,7 +269,11 @@ def kv_write(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slo
     grid = (triton.cdiv(rows, block_m), max(1, key_parts + value_parts))
     if preset.norm_at_write and key_parts:  # the key parts' sums of c^2 and their arrival counts
         partial = torch.empty(grid[0] * block_m * key_parts, dtype=torch.float32, device=key.device)
-        arrived = torch.zeros(grid[0], dtype=torch.int32, device=key.device)
+        # counts kept zero between launches (no memset a call) except where Inductor traces this launcher or
+        # they cannot grow (CUDA-graph capture)
+        arrived = arrival_counts("kv_write_norm", grid[0], key.device) if launch is None else None
+        if arrived is None:
+            arrived = torch.zeros(grid[0], dtype=torch.int32, device=key.device)
     else:
         partial, arrived = midpoints, slot_mapping  # (not read)
     kernel = _kv_write_kernel if launch is None else launch(_kv_write_kernel)

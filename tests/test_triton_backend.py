@@ -432,6 +432,38 @@ def test_stream_kernel_with_more_splits_than_tiles():
     torch.testing.assert_close(out.float(), expected.float(), **_tolerance(torch.float16))
 
 
+@pytest.mark.parametrize("splits", [1, 3, 9])
+def test_stream_kernel_merges_its_splits_in_its_own_launch(splits, monkeypatch):
+    """The last split to arrive merges (one split stores its output): the same output as the merge kernel's
+    launch to fp32 rounding, no merge launch, and the arrival counts all back to zero after the call (the next
+    call starts from them without a memset). Where the counts cannot grow (CUDA-graph capture), the merge
+    kernel's launch again."""
+    from tqkv_compile.lowerings import arrivals
+    from tqkv_compile.lowerings import triton_attention as ta
+
+    monkeypatch.setenv("TQKV_LAST_ARRIVER", "1")
+    preset = get_preset("turboquant_k8v4", 64)
+    args = dict(kernel="stream", block_n=16, splits=splits, fill=0xFF)
+    merged, expected = _attention_both(preset, 4, torch.float16, [1, 2, 1], [40, 70, 3], seed=7, **args)
+    launches = []
+    real_merge = ta._merge_kernel
+    monkeypatch.setattr(ta, "_merge_kernel", type("Counted", (), {
+        "__getitem__": lambda self, grid: (launches.append(grid), real_merge[grid])[1]})())
+    separate, _ = _attention_both(preset, 4, torch.float16, [1, 2, 1], [40, 70, 3], seed=7,
+                                  merge_in_kernel=False, **args)
+    assert len(launches) == 1
+    torch.testing.assert_close(merged.float(), separate.float(), atol=2e-3, rtol=0)
+    torch.testing.assert_close(merged.float(), expected.float(), **_tolerance(torch.float16))
+    counts = arrivals._COUNTS.get(("decode_merge", "cpu"))
+    assert (counts is not None or splits == 1) and (counts is None or not counts.any())
+    monkeypatch.setattr(arrivals, "_capturing", lambda device: True)
+    monkeypatch.setitem(arrivals._COUNTS, ("decode_merge", "cpu"), torch.zeros(1, dtype=torch.int32))
+    launches.clear()
+    fallback, _ = _attention_both(preset, 4, torch.float16, [1, 2, 1], [40, 70, 3], seed=7, **args)
+    assert len(launches) == (splits > 1)
+    torch.testing.assert_close(fallback.float(), merged.float(), atol=2e-3, rtol=0)
+
+
 def test_split_count_follows_the_wave_model(monkeypatch):
     """With the programs an SM holds, the split count keeps small grids to one wave of resident programs and
     never picks a count whose last wave is mostly empty (H200: 132 SMs; 4bit_nc's stream kernel, capped at
@@ -503,7 +535,7 @@ def test_ops_dispatch_to_the_triton_backend():
 
 @pytest.mark.parametrize("dim", HEAD_DIMS)
 @pytest.mark.parametrize("preset_name", own_preset_names())
-def test_presets_of_ours_in_the_triton_kernels(preset_name, dim):
+def test_presets_of_ours_in_the_triton_kernels(preset_name, dim, monkeypatch):
     """The kernels that serve them (lowerings/triton_general.py's; vLLM's layout kernels for tqkv_4bit_pc, whose
     write corrects the key norms): kv_write stores the codec's bytes (5-bit and 2-bit codes, wide runs at one
     bit more, the outlier channel, corrected norms), attention (decode and multi-token rows) and kv_dot read them
@@ -517,14 +549,22 @@ def test_presets_of_ours_in_the_triton_kernels(preset_name, dim):
     slots = torch.randperm(12 * BLOCK, generator=gen)[:tokens]
     slots[4] = -1
     # whole slots per program, then few rows: keys and values in programs of their own; each over a cache of
-    # zeros and of 0xFF, so that a byte left unwritten shows
-    for n, fill in ((tokens, 0), (tokens, 255), (5, 0), (5, 255)):
+    # zeros and of 0xFF, so that a byte left unwritten shows; the few-row writes' arrival counts (tqkv_4bit_pc)
+    # per call, then kept (TQKV_LAST_ARRIVER=1)
+    for n, fill, kept in ((tokens, 0, "0"), (tokens, 255, "0"), (5, 0, "0"), (5, 255, "0"), (5, 0, "1"),
+                          (5, 255, "1")):
+        monkeypatch.setenv("TQKV_LAST_ARRIVER", kept)
         cache = _strided_cache(preset, 12, fill=fill)
         expected = cache.clone()
         get_backend("reference").kv_write(key[:n], value[:n], expected, slots[:n], preset)
         get_backend("triton").kv_write(key[:n], value[:n], cache, slots[:n], preset)
         differing = int((cache != expected).sum())
         assert differing <= 2, f"{n} tokens: {differing} of {n * KV_HEADS * preset.slot_bytes} bytes differ"
+    if preset.norm_at_write:  # the few-row writes' arrival counts are back to zero (the next write needs them so)
+        from tqkv_compile.lowerings import arrivals
+
+        counts = arrivals._COUNTS[("kv_write_norm", "cpu")]
+        assert counts.numel() >= 1 and not counts.any()
 
     out, reference = _attention_both(preset, 4, torch.float16, [1, 3, 1], [5, 40, 70], seed=dim)
     torch.testing.assert_close(out.float(), reference.float(), **_tolerance(torch.float16))
