@@ -158,8 +158,8 @@ variants)
     first=$(ls -d .variants/*/ | head -1)
     for v in $(ls -d .variants/*/) $first; do
         name=$(basename "$v"); tag=$name; [ -f "$OUT/v-$name.json" ] && tag=$name-again
-        step "decode kernels, variant $tag ($(cat "$v/COMMIT")): ${VARIANT_PRESETS:=turboquant_4bit_nc,turboquant_k8v4}"
-        (cd /tmp && PYTHONPATH=$OLDPWD/$v:/tmp/site timeout 150 python3 -c "import sys, runpy, tqkv_compile.lowerings as l
+        step "decode kernels, variant $tag ($(cat "$v/COMMIT") $(cat "$v/ENV" 2>/dev/null)): ${VARIANT_PRESETS:=turboquant_4bit_nc,turboquant_k8v4}"
+        (cd /tmp && env $(cat "$OLDPWD/$v/ENV" 2>/dev/null) PYTHONPATH=$OLDPWD/$v:/tmp/site timeout 150 python3 -c "import sys, runpy, tqkv_compile.lowerings as l
 print('package:', l.__file__, file=sys.stderr); sys.argv[0] = 'bench_kernels'
 runpy.run_module('tqkv_compile.bench_kernels', run_name='__main__')" --presets "$VARIANT_PRESETS" \
             --cases ${VARIANT_CASES:-64x32768,1x32768,64x4096} --write-tokens ${VARIANT_WRITE_TOKENS:-64,8192} --out "$OUT/v-$tag.json" \
@@ -174,7 +174,8 @@ for path in sorted(glob.glob(f"{out}/v-*.json")):
     for r in json.load(open(path)):
         records.append({**r, "variant": tag} if "meta" not in r else
                        {"meta": {**r["meta"], "variant": tag, "harness_commit": r["meta"].get("commit"),
-                                 "commit": open(f"{os.getcwd()}/.variants/{tag.removesuffix('-again')}/COMMIT").read().strip()}})
+                                 "commit": open(f"{os.getcwd()}/.variants/{tag.removesuffix('-again')}/COMMIT").read().strip(),
+                                 "env": (open(e).read().strip() if os.path.exists(e := f"{os.getcwd()}/.variants/{tag.removesuffix('-again')}/ENV") else "")}})
     os.remove(path)
 json.dump(records, open(f"{out}/h200-variants.json", "w"), indent=1)
 print(len(records), "records in h200-variants.json")

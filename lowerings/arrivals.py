@@ -22,6 +22,8 @@ import os
 import torch
 
 _COUNTS: dict[tuple[str, str], torch.Tensor] = {}
+# buffers replaced by larger ones: kept, since a CUDA graph captured earlier still counts in them
+_RETIRED: list[torch.Tensor] = []
 
 
 def _capturing(device: torch.device) -> bool:
@@ -47,5 +49,7 @@ def arrival_counts(purpose: str, n: int, device: torch.device) -> torch.Tensor |
         if _capturing(device):
             return None
         size = max(n, 2 * counts.numel() if counts is not None else 1024)
+        if counts is not None:
+            _RETIRED.append(counts)
         counts = _COUNTS[key] = torch.zeros(size, dtype=torch.int32, device=device)
     return counts

@@ -432,6 +432,27 @@ def test_stream_kernel_with_more_splits_than_tiles():
     torch.testing.assert_close(out.float(), expected.float(), **_tolerance(torch.float16))
 
 
+def test_arrival_counts_are_off_by_default_and_never_freed_when_they_grow(monkeypatch):
+    """Off unless TQKV_LAST_ARRIVER=1; zeroed when made; a buffer that grows keeps its predecessor alive (a CUDA
+    graph captured before still counts in it); during capture a buffer too small gives None (no allocation)."""
+    from tqkv_compile.lowerings import arrivals
+
+    monkeypatch.setattr(arrivals, "_COUNTS", {})
+    monkeypatch.setattr(arrivals, "_RETIRED", [])
+    cpu = torch.device("cpu")
+    monkeypatch.delenv("TQKV_LAST_ARRIVER", raising=False)
+    assert arrivals.arrival_counts("test", 10, cpu) is None
+    monkeypatch.setenv("TQKV_LAST_ARRIVER", "1")
+    first = arrivals.arrival_counts("test", 10, cpu)
+    assert first.dtype == torch.int32 and first.numel() >= 10 and not first.any()
+    assert arrivals.arrival_counts("test", 10, cpu) is first
+    grown = arrivals.arrival_counts("test", first.numel() + 1, cpu)
+    assert grown.numel() > first.numel() and arrivals._RETIRED == [first]
+    monkeypatch.setattr(arrivals, "_capturing", lambda device: True)
+    assert arrivals.arrival_counts("test", grown.numel(), cpu) is grown
+    assert arrivals.arrival_counts("test", grown.numel() + 1, cpu) is None
+
+
 @pytest.mark.parametrize("splits", [1, 3, 9])
 def test_stream_kernel_merges_its_splits_in_its_own_launch(splits, monkeypatch):
     """The last split to arrive merges (one split stores its output): the same output as the merge kernel's
