@@ -81,16 +81,18 @@ def loop_sass(sass: str) -> dict:
 
 
 def stream_kernel(preset_name: str, dim: int, block_n: int, warps: int, maxnreg: int | None, prefetch: bool,
-                  index32: bool = True, query_in_kernel: bool | None = None, merge: bool = True) -> dict:
+                  index32: bool = True, query_in_kernel: bool | None = None, merge: bool = False,
+                  splits: int = 2) -> dict:
     p = tqkv_compile.get_preset(preset_name, dim)
     key_word, value_word = (4 if p.key_fp8 else 2), 2  # the GPU's asm path (stream_words)
-    constexprs = dict(GROUP=4, BLOCK_H=16, D=dim, BLOCK_SIZE=16, BLOCK_N=block_n, NUM_SPLITS=2, SEARCH_STEPS=7,
+    constexprs = dict(GROUP=4, BLOCK_H=16, D=dim, BLOCK_SIZE=16, BLOCK_N=block_n, NUM_SPLITS=splits, SEARCH_STEPS=7,
                       KEY_FP8=p.key_fp8, KEY_CODE_BYTES=p.key_code_bytes, NORM_CORRECTION=p.norm_correction,
                       VALUE_OFFSET=p.key_bytes, VALUE_CODE_BYTES=p.value_code_bytes, DOT_FP32=False,
                       KEY_WORD=key_word, VALUE_WORD=value_word, PREFETCH=prefetch, NC_DOT=True, ASM=True,
                       **({'INDEX32': index32} if 'INDEX32' in ta._decode_stream_kernel.arg_names else {}))
     if query_in_kernel is None:  # the launcher's default: fp8 keys' queries are prepared in the kernel
         query_in_kernel = p.key_fp8
+    query_in_kernel = query_in_kernel and "QUERY_IN_KERNEL" in ta._decode_stream_kernel.arg_names  # (older trees)
     if "QUERY_IN_KERNEL" in ta._decode_stream_kernel.arg_names:  # a bf16 query prepared in the kernel
         scale = 0.125 * ta.LOG2E / (1.0 if p.key_fp8 else dim ** 0.5)
         pre = 2.0 ** math.floor(math.log2(scale))
@@ -114,6 +116,8 @@ def main() -> int:
     parser.add_argument("--warps", type=int, default=4)
     parser.add_argument("--maxnreg", type=int, default=None, help="default: the launcher's (168 / 128)")
     parser.add_argument("--prefetch", action="store_true")
+    parser.add_argument("--merge", action="store_true", help="the splits merged in the launch (TQKV_LAST_ARRIVER=1)")
+    parser.add_argument("--splits", type=int, default=2, help="NUM_SPLITS (the in-launch merge's loads grow with it)")
     parser.add_argument("--query-in-kernel", choices=("auto", "yes", "no"), default="auto",
                         help="the query prepared in the kernel (bf16) or by prepare_query's launch (fp32); "
                              "auto: as the launcher (in the kernel for fp8 keys)")
@@ -122,7 +126,8 @@ def main() -> int:
         fp8 = tqkv_compile.get_preset(name, args.head_dim).key_fp8
         maxnreg = args.maxnreg or (128 if fp8 else 168)
         result = stream_kernel(name, args.head_dim, args.block_n, args.warps, maxnreg, args.prefetch,
-                               query_in_kernel={"auto": None, "yes": True, "no": False}[args.query_in_kernel])
+                               query_in_kernel={"auto": None, "yes": True, "no": False}[args.query_in_kernel],
+                               merge=args.merge, splits=args.splits)
         print(f"{name} D{args.head_dim} BLOCK_N {args.block_n} warps {args.warps} maxnreg {maxnreg} "
               f"prefetch {args.prefetch}: " + " ".join(f"{k}={v}" for k, v in result.items()), flush=True)
     return 0

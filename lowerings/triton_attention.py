@@ -6,13 +6,15 @@ one split of that row's causal context, in tiles of ``BLOCK_N`` positions:
 
 - keys: codes unpacked in registers, centroids chosen by a select tree over the code bits (no memory
   gather); scores = dot(q @ H, centroids) * ||k|| / ||c|| (nc), or dot(q, fp8 keys). The query is rotated
-  and scaled by ``scale * log2(e)`` once: by each stream-kernel program itself (``_stream_query``, the
-  rotation being vLLM's Hadamard), or in a launch before the kernel (:mod:`triton_query`);
+  and scaled by ``scale * log2(e)`` once, in a launch before the kernel (:mod:`triton_query`); for fp8 keys
+  (scaled, not rotated) the stream kernel's programs do it themselves (``_stream_query``, which can also
+  rotate by vLLM's Hadamard: measured slower, so off);
 - softmax in base 2 (``exp2``), online over the tiles;
 - values: integer codes are exact in fp16, so ``P.V = (P * scale) . codes + (P . zero)`` per column.
 
 Each program writes its partial output (normalised) and its base-2 log-sum-exp; the merge kernel combines
-the splits. A row's sequence and causal length come from ``query_start_loc`` inside the kernel (the
+the splits (or, in the stream kernel with ``TQKV_LAST_ARRIVER=1``, the last split program to arrive does, in
+the same launch: ``_arrive_and_merge``). A row's sequence and causal length come from ``query_start_loc`` inside the kernel (the
 one-token-per-sequence case is recognised in two loads; other rows binary-search), so any mix of decode and
 multi-token rows is served: each row attends to positions ``0 .. seq_len - n_new + j``.
 
@@ -192,7 +194,8 @@ def _split_span(row, kv_head, split, qsl_ptr, seq_lens_ptr, num_seqs, max_len, G
                 BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, SEARCH_STEPS: tl.constexpr):
     """One split program's work: (seq, begin, end, q_heads [BLOCK_H], part [BLOCK_H], head_ok [BLOCK_H]) —
     its sequence, the positions [begin, end) of its split (whole tiles), its query heads and their rows in
-    the partial outputs. Callers store -inf partials and return when begin >= end. The context is clamped to
+    the partial outputs. Callers store -inf partials (and, merging in their launch, arrive) and return when
+    begin >= end. The context is clamped to
     ``max_len`` (the block table's width in positions): a sequence length the host did not check (CUDA-graph
     replay, TQKV_CHECK_VALUES=0) cannot make the tile loop run past the table, or for ever."""
     seq, length = _row_context(row, qsl_ptr, seq_lens_ptr, num_seqs, SEARCH_STEPS)
@@ -579,31 +582,35 @@ def _arrive_and_merge(part_out_ptr, part_lse_ptr, out_ptr, count_ptr, row, kv_he
                       GROUP: tl.constexpr, D: tl.constexpr, NUM_SPLITS: tl.constexpr):
     """The split-KV merge of one (row, kv head) by the last of its NUM_SPLITS programs to arrive
     (:mod:`~tqkv_compile.lowerings.arrivals`: the count goes back to 0 after): what :func:`_merge_kernel` does
-    in a launch of its own, a query head at a time, each head's partials in two loads issued together (one L2
-    round trip; a dead split's garbage is dropped by a select, not by a mask that would wait for its lse).
+    in a launch of its own, a query head at a time: its lse, then its partials in 64-column chunks whose loads
+    do not wait for the lse (a dead split's garbage is dropped by a select, not by a mask).
     Every thread's partials are stored before the one arrival (a barrier; the atomic is acq_rel at GPU scope),
     and the last program reads the others' from L2 (``.cg``)."""
     tl.debug_barrier()
     count = count_ptr + row * tl.num_programs(1) + kv_head
     if tl.atomic_add(count, 1) == NUM_SPLITS - 1:
         SPLITS_P2: tl.constexpr = triton.next_power_of_2(NUM_SPLITS)
-        d = tl.arange(0, D)
+        # columns a chunk: [64 splits, 64] fp32 partials are 32 registers a thread (a whole head of 256 at 48
+        # splits spilled 2 KB: ptx_stats --splits 48 --head-dim 256 --merge)
+        DC: tl.constexpr = 64 if D > 64 else D
         sp = tl.arange(0, SPLITS_P2)
         real = sp < NUM_SPLITS
         for g in tl.static_range(GROUP):
             q_head = kv_head * GROUP + g
             part0 = (row * (GROUP * tl.num_programs(1)) + q_head) * NUM_SPLITS
             lse = tl.load(part_lse_ptr + part0 + sp, mask=real, other=float("-inf"), cache_modifier=".cg")
-            parts = tl.load(part_out_ptr + (part0 + sp)[:, None] * D + d[None, :], mask=real[:, None], other=0.0,
-                            cache_modifier=".cg")
             live = lse > float("-inf")
             top = tl.max(lse, axis=0)
             top = tl.where(top > float("-inf"), top, 0.0)
             weight = tl.where(live, tl.exp2(lse - top), 0.0)
             total = tl.sum(weight, axis=0)
-            out = tl.sum(tl.where(live[:, None], parts, 0.0) * weight[:, None], axis=0)
-            out = out / tl.where(total > 0, total, 1.0)
-            tl.store(out_ptr + row * s_ot + q_head * s_oh + d * s_od, out.to(out_ptr.dtype.element_ty))
+            for c0 in tl.static_range(0, D, DC):
+                d = c0 + tl.arange(0, DC)
+                parts = tl.load(part_out_ptr + (part0 + sp)[:, None] * D + d[None, :], mask=real[:, None],
+                                other=0.0, cache_modifier=".cg")
+                out = tl.sum(tl.where(live[:, None], parts, 0.0) * weight[:, None], axis=0)
+                out = out / tl.where(total > 0, total, 1.0)
+                tl.store(out_ptr + row * s_ot + q_head * s_oh + d * s_od, out.to(out_ptr.dtype.element_ty))
         tl.atomic_xchg(count, 0)
 
 
@@ -998,7 +1005,8 @@ def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: t
     rotates and scales the query itself (default: for fp8 keys, whose query is only scaled, with fp16 / bf16
     queries and interpreted; False: a :func:`prepare_query` launch first). ``merge_in_kernel``: the stream
     kernel merges its splits itself (default: :func:`~tqkv_compile.lowerings.arrivals.enabled`; see
-    :func:`_arrive_and_merge`). ``launch``: wraps
+    :func:`_arrive_and_merge`): one split stores its output directly, more need the kept arrival counts, which
+    exist only with ``TQKV_LAST_ARRIVER=1`` (without them, the merge kernel's launch). ``launch``: wraps
     each kernel before its launch (``torch.library.wrap_triton`` when traced for Inductor, see
     :mod:`tqkv_compile.lowerings.inductor_ops`)."""
     require_vllm_layout(preset)
@@ -1081,7 +1089,8 @@ def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: t
             VALUE_OFFSET=preset.key_bytes, VALUE_CODE_BYTES=preset.value_code_bytes, DOT_FP32=interpret,
             KEY_WORD=words[0], VALUE_WORD=words[1], ASM=words[2], PREFETCH=prefetch, NC_DOT=nc_dot,
             INDEX32=index32 is not False and _halves_span(kv_cache) < 2**31,
-            QUERY_IN_KERNEL=query_in_kernel, ROTATE_QUERY=rotate, Q_PRE=q_pre, Q_POST=q_scale / q_pre,
+            QUERY_IN_KERNEL=query_in_kernel, ROTATE_QUERY=rotate and query_in_kernel,
+            Q_PRE=q_pre if query_in_kernel else 1.0, Q_POST=q_scale / q_pre if query_in_kernel else 1.0,
             MERGE=merge, num_warps=num_warps or 4, num_stages=num_stages or 1,
             **({} if maxnreg is None else {"maxnreg": maxnreg}),
         )

@@ -395,10 +395,14 @@ def test_stream_kernel_matches_reference(preset_name, dim, variant):
     torch.testing.assert_close(out.float(), expected.float(), **_tolerance(torch.float16))
 
 
-def test_launchers_run_through_wrap_triton():
+@pytest.mark.parametrize("last_arriver", ["0", "1"])
+def test_launchers_run_through_wrap_triton(last_arriver, monkeypatch):
     """The launch hook that lets Inductor trace the kernels (``torch.library.wrap_triton``; see
-    lowerings/inductor_ops.py) launches the same kernels: the attention and the cache bytes are unchanged."""
+    lowerings/inductor_ops.py) launches the same kernels: the attention and the cache bytes are unchanged
+    (with TQKV_LAST_ARRIVER=1 too: a traced launch keeps the merge kernel and per-call counts)."""
     from torch.library import wrap_triton
+
+    monkeypatch.setenv("TQKV_LAST_ARRIVER", last_arriver)
 
     from tqkv_compile.lowerings.triton_kv_write import kv_write
 
@@ -465,16 +469,33 @@ def test_stream_kernel_merges_its_splits_in_its_own_launch(splits, monkeypatch):
     monkeypatch.setenv("TQKV_LAST_ARRIVER", "1")
     preset = get_preset("turboquant_k8v4", 64)
     args = dict(kernel="stream", block_n=16, splits=splits, fill=0xFF)
-    merged, expected = _attention_both(preset, 4, torch.float16, [1, 2, 1], [40, 70, 3], seed=7, **args)
     launches = []
     real_merge = ta._merge_kernel
     monkeypatch.setattr(ta, "_merge_kernel", type("Counted", (), {
         "__getitem__": lambda self, grid: (launches.append(grid), real_merge[grid])[1]})())
+    merged, expected = _attention_both(preset, 4, torch.float16, [1, 2, 1], [40, 70, 3], seed=7, **args)
+    assert launches == []
     separate, _ = _attention_both(preset, 4, torch.float16, [1, 2, 1], [40, 70, 3], seed=7,
                                   merge_in_kernel=False, **args)
     assert len(launches) == 1
-    torch.testing.assert_close(merged.float(), separate.float(), atol=2e-3, rtol=0)
+    torch.testing.assert_close(merged.float(), separate.float(), atol=1e-6, rtol=0)
     torch.testing.assert_close(merged.float(), expected.float(), **_tolerance(torch.float16))
+    # a bf16 query with padding rows past the last sequence's (zeros, as the merge kernel's), the partials'
+    # scratch full of NaN (a dead split's garbage must be dropped)
+    cache, table, seq_lens = _filled_cache(preset, [40, 3], seed=8, fill=0xFF)
+    starts = torch.tensor([0, 1, 2], dtype=torch.int32)
+    query = torch.randn(4, KV_HEADS * 4, 64, generator=torch.Generator().manual_seed(9)).to(torch.bfloat16)
+    rotation, centroids, _ = get_backend("triton").tables(preset, query.device)
+    real_empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: real_empty(*a, **k).fill_(float("nan"))
+                        if k.get("dtype") == torch.float32 else real_empty(*a, **k))
+    padded = ta.decode_attention(query, cache, table, seq_lens, starts, 0.125, preset, rotation, centroids,
+                                 kernel="stream", block_n=16, splits=splits)
+    apart = ta.decode_attention(query, cache, table, seq_lens, starts, 0.125, preset, rotation, centroids,
+                                kernel="stream", block_n=16, splits=splits, merge_in_kernel=False)
+    monkeypatch.setattr(torch, "empty", real_empty)
+    assert padded.dtype == torch.bfloat16 and not padded.isnan().any() and not padded[2:].any()
+    torch.testing.assert_close(padded.float(), apart.float(), atol=1e-6, rtol=0)
     counts = arrivals._COUNTS.get(("decode_merge", "cpu"))
     assert (counts is not None or splits == 1) and (counts is None or not counts.any())
     monkeypatch.setattr(arrivals, "_capturing", lambda device: True)
@@ -575,6 +596,8 @@ def test_presets_of_ours_in_the_triton_kernels(preset_name, dim, monkeypatch):
     for n, fill, kept in ((tokens, 0, "0"), (tokens, 255, "0"), (5, 0, "0"), (5, 255, "0"), (5, 0, "1"),
                           (5, 255, "1")):
         monkeypatch.setenv("TQKV_LAST_ARRIVER", kept)
+        if kept == "0":
+            monkeypatch.delenv("TQKV_LAST_ARRIVER")
         cache = _strided_cache(preset, 12, fill=fill)
         expected = cache.clone()
         get_backend("reference").kv_write(key[:n], value[:n], expected, slots[:n], preset)
@@ -586,6 +609,7 @@ def test_presets_of_ours_in_the_triton_kernels(preset_name, dim, monkeypatch):
 
         counts = arrivals._COUNTS[("kv_write_norm", "cpu")]
         assert counts.numel() >= 1 and not counts.any()
+    monkeypatch.delenv("TQKV_LAST_ARRIVER")
 
     out, reference = _attention_both(preset, 4, torch.float16, [1, 3, 1], [5, 40, 70], seed=dim)
     torch.testing.assert_close(out.float(), reference.float(), **_tolerance(torch.float16))
