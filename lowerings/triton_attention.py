@@ -32,8 +32,9 @@ import triton
 import triton.language as tl
 
 from tqkv_compile.codec import Preset
-from tqkv_compile.lowerings import arrivals
+from tqkv_compile.lowerings import arrivals, dependent_launch
 from tqkv_compile.lowerings.arrivals import arrival_counts
+from tqkv_compile.lowerings.dependent_launch import wait_and_release
 from tqkv_compile.lowerings.triton_query import prepare_query
 from tqkv_compile.rotation import hadamard
 
@@ -652,7 +653,7 @@ def _decode_stream_kernel(
     DOT_FP32: tl.constexpr, KEY_WORD: tl.constexpr, VALUE_WORD: tl.constexpr, PREFETCH: tl.constexpr,
     NC_DOT: tl.constexpr, ASM: tl.constexpr, INDEX32: tl.constexpr,
     QUERY_IN_KERNEL: tl.constexpr, ROTATE_QUERY: tl.constexpr, Q_PRE: tl.constexpr, Q_POST: tl.constexpr,
-    MERGE: tl.constexpr,
+    MERGE: tl.constexpr, GDC: tl.constexpr = False,
 ):
     """The split kernel's contract (see :func:`_decode_split_kernel`) for fp8 or 4-bit Lloyd-Max keys with
     4-bit uniform values (k8v4, 4bit_nc), a cache whose last stride is 1 and whose fields are WORD-byte
@@ -664,6 +665,7 @@ def _decode_stream_kernel(
     and scales it (no launch of :func:`prepare_query`); otherwise it is prepare_query's. With MERGE, the
     splits are merged in this launch (``out_ptr``, :func:`_arrive_and_merge`; one split stores its output
     there directly), not by :func:`_merge_kernel`'s."""
+    wait_and_release(GDC)
     row = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -813,7 +815,9 @@ def key_column_order(preset: Preset, dim: int) -> torch.Tensor:
 
 @triton.jit
 def _merge_kernel(part_out_ptr, part_lse_ptr, out_ptr, s_ot, s_oh, s_od,
-                  NUM_HEADS: tl.constexpr, D: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr):
+                  NUM_HEADS: tl.constexpr, D: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr,
+                  GDC: tl.constexpr = False):
+    wait_and_release(GDC)
     row = tl.program_id(0)
     head = tl.program_id(1)
     s = tl.arange(0, SPLITS_P2)
@@ -986,6 +990,11 @@ def _plain_launch(kernel):
     return kernel
 
 
+def _traced(launch):
+    """``launch`` for a launcher that takes None for a plain launch (prepare_query)."""
+    return None if launch is _plain_launch else launch
+
+
 def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
                      seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float, preset: Preset,
                      rotation: torch.Tensor, centroids: torch.Tensor, *, splits: int | None = None,
@@ -1077,7 +1086,7 @@ def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: t
             q = query
             signs = signs if signs is not None else rotation_signs(dim, query.device)
         else:
-            q = prepare_query(query, rotation if rotate else None, None, scale * LOG2E, launch)
+            q = prepare_query(query, rotation if rotate else None, None, scale * LOG2E, _traced(launch))
             signs = q
         lut = lut if lut is not None else key_lut(preset, query.device)
         launch(_decode_stream_kernel)[(rows, kv_heads, splits)](
@@ -1092,20 +1101,21 @@ def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: t
             QUERY_IN_KERNEL=query_in_kernel, ROTATE_QUERY=rotate and query_in_kernel,
             Q_PRE=q_pre if query_in_kernel else 1.0, Q_POST=q_scale / q_pre if query_in_kernel else 1.0,
             MERGE=merge, num_warps=num_warps or 4, num_stages=num_stages or 1,
+            **dependent_launch.options(query.device, traced=launch is not _plain_launch),
             **({} if maxnreg is None else {"maxnreg": maxnreg}),
         )
     elif kernel == "words":
         # the query rotated (Lloyd-Max keys), permuted to the key tile's column order and scaled (log2 e folded
         # in for exp2) in one launch
         q = prepare_query(query, None if preset.key_fp8 else rotation, column_order(preset, query.device),
-                          scale * LOG2E, launch)
+                          scale * LOG2E, _traced(launch))
         launch(_decode_words_kernel)[(rows, kv_heads, splits)](
             q, kv_cache, block_table, seq_lens, query_start_loc, centroids, part_out, part_lse,
             num_seqs, max_len, *q.stride(), *block_table.stride(), *kv_cache.stride()[:3],
             **common, num_warps=num_warps or 4, num_stages=num_stages or 2,
         )
     else:
-        q = prepare_query(query, None if preset.key_fp8 else rotation, None, scale * LOG2E, launch)
+        q = prepare_query(query, None if preset.key_fp8 else rotation, None, scale * LOG2E, _traced(launch))
         launch(_decode_split_kernel)[(rows, kv_heads, splits)](
             q, kv_cache, block_table, seq_lens, query_start_loc, centroids, part_out, part_lse,
             num_seqs, max_len,
@@ -1117,5 +1127,6 @@ def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: t
     launch(_merge_kernel)[(rows, heads)](
         part_out, part_lse, out, *out.stride(),
         NUM_HEADS=heads, D=dim, NUM_SPLITS=splits, SPLITS_P2=triton.next_power_of_2(splits),
+        **dependent_launch.options(query.device, traced=launch is not _plain_launch),
     )
     return out

@@ -35,7 +35,9 @@ import triton
 import triton.language as tl
 
 from tqkv_compile.codec import FP8_MAX, Preset
+from tqkv_compile.lowerings import dependent_launch
 from tqkv_compile.lowerings.arrivals import arrival_counts
+from tqkv_compile.lowerings.dependent_launch import wait_and_release
 from tqkv_compile.lowerings.triton_attention import require_vllm_layout
 
 
@@ -175,7 +177,7 @@ def _kv_write_kernel(
     KEY_FP8: tl.constexpr, KEY_BITS: tl.constexpr, KEY_CODE_BYTES: tl.constexpr,
     VALUE_BITS: tl.constexpr, VALUE_OFFSET: tl.constexpr, VALUE_CODE_BYTES: tl.constexpr, PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, KEY_PARTS: tl.constexpr, VALUE_PARTS: tl.constexpr,
-    NORM_AT_WRITE: tl.constexpr,
+    NORM_AT_WRITE: tl.constexpr, GDC: tl.constexpr,
 ):
     """Grid (row blocks, parts). KEY_PARTS == 0: one program writes its rows' whole slots. Else program
     (i, p) writes key coordinates [p * D / KEY_PARTS, ...) for p < KEY_PARTS and value coordinates of part
@@ -184,6 +186,7 @@ def _kv_write_kernel(
     whole row's codes) each key part stores its rows' sums of c^2 in ``partial`` [rows, KEY_PARTS] and counts
     itself in ``arrived`` [row blocks] (zeros), and the last to arrive adds them up in part order, writes
     the norm and puts the count back to zero (:mod:`~tqkv_compile.lowerings.arrivals`)."""
+    wait_and_release(GDC)
     tok, head, keep, base = _write_rows(slot_ptr, n_rows, num_kv_heads, s_blk, s_pos, s_head, BLOCK_SIZE, BLOCK_M)
     part = tl.program_id(1)
     part_rows = tl.zeros_like(tok) + part  # per row: a mask of scalar & row-vector is not a bool (interpreter)
@@ -288,5 +291,5 @@ def kv_write(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slo
         PAD=pad,
         BLOCK_M=block_m, BLOCK_R=block_r, KEY_PARTS=key_parts, VALUE_PARTS=max(1, value_parts),
         NORM_AT_WRITE=preset.norm_at_write,
-        num_warps=4,
+        num_warps=4, **dependent_launch.options(key.device, traced=launch is not None),
     )

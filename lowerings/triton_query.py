@@ -7,15 +7,20 @@ import torch
 import triton
 import triton.language as tl
 
+from tqkv_compile.lowerings import dependent_launch
+from tqkv_compile.lowerings.dependent_launch import wait_and_release
+
 
 @triton.jit
 def _prepare_query_kernel(q_ptr, rot_ptr, order_ptr, out_ptr, pairs, heads, s_qt, s_qh, s_qd,
                           D: tl.constexpr, SCALE: tl.constexpr, ROTATE: tl.constexpr, ORDERED: tl.constexpr,
-                          BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr):
+                          BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr,
+                          GDC: tl.constexpr = False):
     """out[t, h, :] = (q[t, h, :] @ rot[:, order]) * SCALE in fp32, BLOCK_M (token, head) pairs and BLOCK_D
     output columns a program; without ROTATE, q[t, h, order] * SCALE. The decode kernels' query in one launch
     (it was a cast, a matmul and a multiply: three launches of ~2-4 us each at decode). The product is an fp32
     FMA dot ("ieee"), as precise as the fp32 matmul it replaces."""
+    wait_and_release(GDC)
     m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     ok = m < pairs
     row = (m // heads) * s_qt + (m % heads) * s_qh
@@ -53,5 +58,6 @@ def prepare_query(query: torch.Tensor, rotation: torch.Tensor | None, order: tor
         order.contiguous() if order is not None else query, out, pairs, heads, *query.stride(),
         D=dim, SCALE=float(scale), ROTATE=rotation is not None, ORDERED=order is not None,
         BLOCK_M=block_m, BLOCK_D=block_d, BLOCK_K=min(32, dim), num_warps=4,
+        **dependent_launch.options(query.device, traced=launch is not None),
     )
     return out

@@ -28,6 +28,7 @@ _KERNEL_MODULES = [
     "tqkv_compile.lowerings.triton_query",
     "tqkv_compile.lowerings.triton_kv_write",
     "tqkv_compile.lowerings.triton_dequant",
+    "tqkv_compile.lowerings.dependent_launch",
 ]
 PRESETS = preset_names()
 HEAD_DIMS = (64, 128, 256)
@@ -434,6 +435,21 @@ def test_stream_kernel_with_more_splits_than_tiles():
                                     kernel="stream", block_n=16, splits=47)
     assert not out.isnan().any()
     torch.testing.assert_close(out.float(), expected.float(), **_tolerance(torch.float16))
+
+
+def test_dependent_launch_only_on_a_gpu_when_asked_and_never_traced(monkeypatch):
+    """TQKV_PDL=1 asks for programmatic dependent launch; the CPU (the interpreter) and traced launches never
+    get it, and without it the kernels' wait is compiled out (GDC False)."""
+    from tqkv_compile.lowerings import dependent_launch
+
+    cpu = torch.device("cpu")
+    monkeypatch.delenv("TQKV_PDL", raising=False)
+    assert dependent_launch.options(cpu) == {"GDC": False}
+    monkeypatch.setenv("TQKV_PDL", "1")
+    assert dependent_launch.options(cpu) == {"GDC": False}
+    monkeypatch.setattr(dependent_launch, "enabled", lambda device: True)
+    assert dependent_launch.options(cpu) == {"GDC": True, "launch_pdl": True}
+    assert dependent_launch.options(cpu, traced=True) == {"GDC": False}
 
 
 def test_arrival_counts_are_off_by_default_and_never_freed_when_they_grow(monkeypatch):
