@@ -305,7 +305,9 @@ def _meta(argv: list[str], model: str) -> dict:
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"{platform.machine()} CPU, {os.cpu_count()} cores"
     return {"meta": dict(command="tqkv bench e2e " + " ".join(argv),
                          date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                         commit=commit, device=device, torch=torch.__version__, vllm=vllm_version, model=model)}
+                         commit=commit, device=device, torch=torch.__version__, vllm=vllm_version, model=model,
+                         tqkv_env={k: v for k, v in sorted(os.environ.items())
+                                   if k.startswith("TQKV_") and k != "TQKV_COMMIT"})}
 
 
 def summary(records: list[dict]) -> str:

@@ -366,7 +366,14 @@ def _meta(argv) -> dict:
                          date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                          commit=commit, gpu=torch.cuda.get_device_name(), torch=torch.__version__,
                          triton=triton.__version__, vllm=vllm_version,
-                         shape=dict(q_heads=HQ, kv_heads=HK, head_dim=D, block_size=BS))}
+                         shape=dict(q_heads=HQ, kv_heads=HK, head_dim=D, block_size=BS),
+                         tqkv_env=_tqkv_env())}
+
+
+def _tqkv_env() -> dict:
+    """The TQKV_* switches the run had (experimental paths such as TQKV_LAST_ARRIVER, TQKV_PDL change what is
+    timed), TQKV_COMMIT aside."""
+    return {k: v for k, v in sorted(os.environ.items()) if k.startswith("TQKV_") and k != "TQKV_COMMIT"}
 
 
 def plot(records: list[dict], path: str) -> None:
