@@ -19,6 +19,7 @@ import re
 import subprocess
 import tempfile
 
+import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -91,8 +92,9 @@ def stream_kernel(preset_name: str, dim: int, block_n: int, warps: int, maxnreg:
                       VALUE_OFFSET=p.key_bytes, VALUE_CODE_BYTES=p.value_code_bytes, DOT_FP32=False,
                       KEY_WORD=key_word, VALUE_WORD=value_word, PREFETCH=prefetch, NC_DOT=True, ASM=True,
                       **({'INDEX32': index32} if 'INDEX32' in ta._decode_stream_kernel.arg_names else {}))
-    if query_in_kernel is None:  # the launcher's default: fp8 keys' queries are prepared in the kernel
-        query_in_kernel = p.key_fp8
+    if query_in_kernel is None:  # the launcher's default for a bf16 query on the GPU (older trees: none)
+        rule = getattr(ta, "query_in_stream_kernel", None)
+        query_in_kernel = bool(rule and rule(p, torch.bfloat16, interpret=False))
     query_in_kernel = query_in_kernel and "QUERY_IN_KERNEL" in ta._decode_stream_kernel.arg_names  # (older trees)
     if "QUERY_IN_KERNEL" in ta._decode_stream_kernel.arg_names:  # a bf16 query prepared in the kernel
         scale = 0.125 * ta.LOG2E / (1.0 if p.key_fp8 else dim ** 0.5)

@@ -101,9 +101,9 @@ def main() -> int:
     with torch.no_grad():
         model.model(tokens[third: third + args.window][None])
     rt.finish_calibration()
-    share = [float((m[0].norm(dim=-1) / 1).mean()) for m in rt.means.values()]
-    print(f"calibrated on tokens {third}..{third + args.window}; mean key norm per layer (avg over heads): "
-          + " ".join(f"{s:.1f}" for s in share), flush=True)
+    norms = [float(mu_k.norm(dim=-1).mean()) for mu_k, _ in rt.means.values()]
+    print(f"calibrated on tokens {third}..{third + args.window}; the mean key's norm per layer (average over "
+          "heads): " + " ".join(f"{n:.1f}" for n in norms), flush=True)
     rows = [("bf16", None, False, False)]
     for name, spec in SPECS.items():
         rows += [(name, spec, False, False), (name, spec, True, False), (name, spec, True, True)]

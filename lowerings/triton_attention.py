@@ -579,6 +579,12 @@ def _fp8x4_fp16(words):
 
 
 @triton.jit
+def _out_rows(out_ptr, row, q_heads, s_ot, s_oh, s_od, D: tl.constexpr):
+    """Pointers [BLOCK_H, D] to ``row``'s output rows of ``q_heads``."""
+    return out_ptr + row * s_ot + q_heads[:, None] * s_oh + tl.arange(0, D)[None, :] * s_od
+
+
+@triton.jit
 def _arrive_and_merge(part_out_ptr, part_lse_ptr, out_ptr, count_ptr, row, kv_head, s_ot, s_oh, s_od,
                       GROUP: tl.constexpr, D: tl.constexpr, NUM_SPLITS: tl.constexpr):
     """The split-KV merge of one (row, kv head) by the last of its NUM_SPLITS programs to arrive
@@ -679,8 +685,7 @@ def _decode_stream_kernel(
                                                           max_len, GROUP, BLOCK_H, BLOCK_N, NUM_SPLITS, SEARCH_STEPS)
     if begin >= end:
         if MERGE and NUM_SPLITS == 1:  # no context at all: the merge's output for it
-            d0 = tl.arange(0, D)
-            tl.store(out_ptr + row * s_ot + q_heads[:, None] * s_oh + d0[None, :] * s_od,
+            tl.store(_out_rows(out_ptr, row, q_heads, s_ot, s_oh, s_od, D),
                      tl.zeros((BLOCK_H, D), out_ptr.dtype.element_ty), mask=head_ok[:, None])
         else:
             tl.store(part_lse_ptr + part, tl.full((BLOCK_H,), float("-inf"), tl.float32), mask=head_ok)
@@ -791,8 +796,8 @@ def _decode_stream_kernel(
     f = tl.where((d & 1) == 1, 1.0 / 16.0, 1.0)  # exact: a power of two
     out = (acc - 1024.0 * psum[:, None]) * (f[None, :] * inv[:, None]) + (zsum * inv)[:, None]
     if MERGE and NUM_SPLITS == 1:
-        tl.store(out_ptr + row * s_ot + q_heads[:, None] * s_oh + d[None, :] * s_od,
-                 out.to(out_ptr.dtype.element_ty), mask=head_ok[:, None])
+        tl.store(_out_rows(out_ptr, row, q_heads, s_ot, s_oh, s_od, D), out.to(out_ptr.dtype.element_ty),
+                 mask=head_ok[:, None])
     else:
         tl.store(part_out_ptr + part[:, None] * D + d[None, :], out, mask=head_ok[:, None])
         tl.store(part_lse_ptr + part, m_i + tl.log2(l_i), mask=head_ok)
@@ -986,6 +991,15 @@ def require_vllm_layout(preset: Preset) -> None:
                          "kernels (the triton backend picks them)")
 
 
+def query_in_stream_kernel(preset: Preset, dtype: torch.dtype, interpret: bool) -> bool:
+    """Whether the stream kernel prepares the query itself by default (else a :func:`prepare_query` launch).
+    fp8 keys: the query is only scaled, in the kernel (H200: k8v4 40.1 -> 37.9 us at 1 x 32768). 4-bit keys:
+    the in-kernel rotation's prologue (a [16, D] x [D, D] dot, 32 KB of signs) cost what the launch saved
+    (tqkv_4bit_pc 46.8 -> 47.9 us, 351.3 -> 355.7 at 64 x 4096), so prepare_query rotates. fp32 queries on the
+    GPU keep prepare_query's fp32 path either way."""
+    return preset.key_fp8 and (interpret or dtype in (torch.float16, torch.bfloat16))
+
+
 def _plain_launch(kernel):
     return kernel
 
@@ -1052,17 +1066,17 @@ def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: t
     # the split-KV merge in the stream kernel's launch (the last split to arrive merges; one split stores its
     # output directly), not where Inductor traces the launcher (no process-wide counts there) or where the
     # counts cannot grow (CUDA-graph capture): then the merge kernel's launch
-    counts = None
     if merge_in_kernel is None:
         merge_in_kernel = arrivals.enabled()
-    if merge_in_kernel and kernel == "stream" and launch is _plain_launch and splits > 1:
-        counts = arrival_counts("decode_merge", rows * kv_heads, query.device)
-    merge = kernel == "stream" and launch is _plain_launch and merge_in_kernel and (splits == 1 or counts is not None)
+    in_launch = merge_in_kernel and kernel == "stream" and launch is _plain_launch
+    counts = arrival_counts("decode_merge", rows * kv_heads, query.device) if in_launch and splits > 1 else None
+    merge = in_launch and (splits == 1 or counts is not None)
     if merge and splits == 1:
         part_out = part_lse = counts = out  # (not read)
     else:
         part_out = torch.empty(rows, heads, splits, dim, dtype=torch.float32, device=query.device)
         part_lse = torch.empty(rows, heads, splits, dtype=torch.float32, device=query.device)
+    pdl = dependent_launch.options(query.device, traced=launch is not _plain_launch)
     num_seqs = seq_lens.shape[0]
     common = dict(GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), D=dim, BLOCK_SIZE=kv_cache.shape[1],
                   BLOCK_N=block_n, NUM_SPLITS=splits, SEARCH_STEPS=max(1, math.ceil(math.log2(num_seqs + 1))),
@@ -1075,11 +1089,7 @@ def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: t
             raise ValueError(f"the stream kernel cannot read {preset.name} from this cache view")
         rotate = not preset.key_fp8
         if query_in_kernel is None:
-            # fp8 keys: the query is only scaled, in the kernel (H200: k8v4 40.1 -> 37.9 us at 1 x 32768). 4-bit
-            # keys: the in-kernel rotation's prologue (a [16, D] x [D, D] dot, 32 KB of signs) cost what the
-            # launch saved (tqkv_4bit_pc 46.8 -> 47.9 us, 351.3 -> 355.7 at 64 x 4096), so prepare_query
-            # rotates. fp32 queries on the GPU keep prepare_query's fp32 path either way.
-            query_in_kernel = preset.key_fp8 and (interpret or query.dtype in (torch.float16, torch.bfloat16))
+            query_in_kernel = query_in_stream_kernel(preset, query.dtype, interpret)
         q_scale = scale * LOG2E / (math.sqrt(dim) if rotate else 1.0)
         q_pre = 2.0 ** math.floor(math.log2(q_scale))
         if query_in_kernel:
@@ -1101,7 +1111,7 @@ def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: t
             QUERY_IN_KERNEL=query_in_kernel, ROTATE_QUERY=rotate and query_in_kernel,
             Q_PRE=q_pre if query_in_kernel else 1.0, Q_POST=q_scale / q_pre if query_in_kernel else 1.0,
             MERGE=merge, num_warps=num_warps or 4, num_stages=num_stages or 1,
-            **dependent_launch.options(query.device, traced=launch is not _plain_launch),
+            **pdl,
             **({} if maxnreg is None else {"maxnreg": maxnreg}),
         )
     elif kernel == "words":
@@ -1127,6 +1137,6 @@ def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: t
     launch(_merge_kernel)[(rows, heads)](
         part_out, part_lse, out, *out.stride(),
         NUM_HEADS=heads, D=dim, NUM_SPLITS=splits, SPLITS_P2=triton.next_power_of_2(splits),
-        **dependent_launch.options(query.device, traced=launch is not _plain_launch),
+        **pdl,
     )
     return out
