@@ -11,8 +11,14 @@ warm-up and profile runs, which come before capture, size it), and during captur
 the buffer holds gets None and falls back to a per-call buffer or a launch of its own; nothing is created while
 Inductor traces a launcher (fake tensors), so traced launches do not use them.
 
-Off unless ``TQKV_LAST_ARRIVER=1`` (:func:`enabled`): not yet timed or checked on a GPU, where the memory
-ordering they rely on is real (the interpreter runs programs one after another).
+Kept counts are on unless ``TQKV_KEPT_COUNTS=0`` (:func:`kept_counts`); the decode merge in the stream
+kernel's launch, their other user, only with ``TQKV_LAST_ARRIVER=1`` (:func:`merge_in_kernel`). Measured on the
+H200 (2026-12-04, ``bench/results/h200-variants-arrivals.json``, one machine, consecutive commands; the GPU
+check with both on: 0 failures): tqkv_4bit_pc's kv_write 7.8 -> 6.6 us at one token, 7.3 -> 6.3 at 64 (the
+memset gone), so kept counts are the default; the in-launch merge made decode at 1 x 32768 ~9 us slower (k8v4
+37.7 -> 46.6, tqkv_4bit_pc 47.9 -> 56.5: 8 programs, one per kv head, merge 48 splits each, where the merge
+kernel spreads the work over 32) and 64 x 4096 mixed (tqkv_4bit_pc 350.1 -> 333.1, 4bit_nc 377.4 -> 382.8,
+k8v4 234.8 -> 240.5), so it stays off.
 """
 
 from __future__ import annotations
@@ -30,18 +36,23 @@ def _capturing(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
-def enabled() -> bool:
-    """Whether kernels finish their work in the last program to arrive, counting in kept buffers
-    (``TQKV_LAST_ARRIVER=1``): the decode kernel's split merge in its own launch, kv_write's corrected norms
-    without a memset."""
+def kept_counts() -> bool:
+    """Whether arrival counts are kept zeroed between launches (default; ``TQKV_KEPT_COUNTS=0``: a zeroed
+    buffer per launch, e.g. where launches that count could run on two streams at once)."""
+    return os.environ.get("TQKV_KEPT_COUNTS", "1") != "0"
+
+
+def merge_in_kernel() -> bool:
+    """Whether the decode stream kernel's last split to arrive merges the splits in its own launch
+    (``TQKV_LAST_ARRIVER=1``; off by default: slower at batch 1 on the H200, see above)."""
     return os.environ.get("TQKV_LAST_ARRIVER", "0") == "1"
 
 
 def arrival_counts(purpose: str, n: int, device: torch.device) -> torch.Tensor | None:
     """At least ``n`` int32 arrival counts on ``device`` for ``purpose`` (one buffer per purpose), all zero
-    between launches; None when not :func:`enabled`, or during CUDA-graph capture when the buffer would have
+    between launches; None without :func:`kept_counts`, or during CUDA-graph capture when the buffer would have
     to grow."""
-    if not enabled():
+    if not kept_counts():
         return None
     key = (purpose, str(device))
     counts = _COUNTS.get(key)

@@ -1027,9 +1027,9 @@ def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: t
     stream kernel's rotation as +-1 (default: :func:`rotation_signs`); ``query_in_kernel``: the stream kernel
     rotates and scales the query itself (default: for fp8 keys, whose query is only scaled, with fp16 / bf16
     queries and interpreted; False: a :func:`prepare_query` launch first). ``merge_in_kernel``: the stream
-    kernel merges its splits itself (default: :func:`~tqkv_compile.lowerings.arrivals.enabled`; see
-    :func:`_arrive_and_merge`): one split stores its output directly, more need the kept arrival counts, which
-    exist only with ``TQKV_LAST_ARRIVER=1`` (without them, the merge kernel's launch). ``launch``: wraps
+    kernel merges its splits itself (default: :func:`~tqkv_compile.lowerings.arrivals.merge_in_kernel`, i.e.
+    ``TQKV_LAST_ARRIVER=1``; see :func:`_arrive_and_merge`): one split stores its output directly, more need
+    the kept arrival counts (without them, ``TQKV_KEPT_COUNTS=0``, the merge kernel's launch). ``launch``: wraps
     each kernel before its launch (``torch.library.wrap_triton`` when traced for Inductor, see
     :mod:`tqkv_compile.lowerings.inductor_ops`)."""
     require_vllm_layout(preset)
@@ -1067,7 +1067,7 @@ def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: t
     # output directly), not where Inductor traces the launcher (no process-wide counts there) or where the
     # counts cannot grow (CUDA-graph capture): then the merge kernel's launch
     if merge_in_kernel is None:
-        merge_in_kernel = arrivals.enabled()
+        merge_in_kernel = arrivals.merge_in_kernel()
     in_launch = merge_in_kernel and kernel == "stream" and launch is _plain_launch
     counts = arrival_counts("decode_merge", rows * kv_heads, query.device) if in_launch and splits > 1 else None
     merge = in_launch and (splits == 1 or counts is not None)

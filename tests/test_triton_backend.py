@@ -452,17 +452,23 @@ def test_dependent_launch_only_on_a_gpu_when_asked_and_never_traced(monkeypatch)
     assert dependent_launch.options(cpu, traced=True) == {"GDC": False}
 
 
-def test_arrival_counts_are_off_by_default_and_never_freed_when_they_grow(monkeypatch):
-    """Off unless TQKV_LAST_ARRIVER=1; zeroed when made; a buffer that grows keeps its predecessor alive (a CUDA
-    graph captured before still counts in it); during capture a buffer too small gives None (no allocation)."""
+def test_arrival_counts_are_kept_by_default_and_never_freed_when_they_grow(monkeypatch):
+    """Kept unless TQKV_KEPT_COUNTS=0 (the in-launch merge only with TQKV_LAST_ARRIVER=1); zeroed when made; a
+    buffer that grows keeps its predecessor alive (a CUDA graph captured before still counts in it); during
+    capture a buffer too small gives None (no allocation)."""
     from tqkv_compile.lowerings import arrivals
 
     monkeypatch.setattr(arrivals, "_COUNTS", {})
     monkeypatch.setattr(arrivals, "_RETIRED", [])
     cpu = torch.device("cpu")
     monkeypatch.delenv("TQKV_LAST_ARRIVER", raising=False)
-    assert arrivals.arrival_counts("test", 10, cpu) is None
+    monkeypatch.delenv("TQKV_KEPT_COUNTS", raising=False)
+    assert arrivals.kept_counts() and not arrivals.merge_in_kernel()
+    monkeypatch.setenv("TQKV_KEPT_COUNTS", "0")
+    assert arrivals.arrival_counts("test", 10, cpu) is None and arrivals._COUNTS == {}
+    monkeypatch.delenv("TQKV_KEPT_COUNTS")
     monkeypatch.setenv("TQKV_LAST_ARRIVER", "1")
+    assert arrivals.merge_in_kernel()
     first = arrivals.arrival_counts("test", 10, cpu)
     assert first.dtype == torch.int32 and first.numel() >= 10 and not first.any()
     assert arrivals.arrival_counts("test", 10, cpu) is first
@@ -608,12 +614,10 @@ def test_presets_of_ours_in_the_triton_kernels(preset_name, dim, monkeypatch):
     slots[4] = -1
     # whole slots per program, then few rows: keys and values in programs of their own; each over a cache of
     # zeros and of 0xFF, so that a byte left unwritten shows; the few-row writes' arrival counts (tqkv_4bit_pc)
-    # per call, then kept (TQKV_LAST_ARRIVER=1)
+    # per call (TQKV_KEPT_COUNTS=0), then kept (the default)
     for n, fill, kept in ((tokens, 0, "0"), (tokens, 255, "0"), (5, 0, "0"), (5, 255, "0"), (5, 0, "1"),
                           (5, 255, "1")):
-        monkeypatch.setenv("TQKV_LAST_ARRIVER", kept)
-        if kept == "0":
-            monkeypatch.delenv("TQKV_LAST_ARRIVER")
+        monkeypatch.setenv("TQKV_KEPT_COUNTS", kept)
         cache = _strided_cache(preset, 12, fill=fill)
         expected = cache.clone()
         get_backend("reference").kv_write(key[:n], value[:n], expected, slots[:n], preset)
@@ -625,7 +629,7 @@ def test_presets_of_ours_in_the_triton_kernels(preset_name, dim, monkeypatch):
 
         counts = arrivals._COUNTS[("kv_write_norm", "cpu")]
         assert counts.numel() >= 1 and not counts.any()
-    monkeypatch.delenv("TQKV_LAST_ARRIVER")
+    monkeypatch.delenv("TQKV_KEPT_COUNTS")
 
     out, reference = _attention_both(preset, 4, torch.float16, [1, 3, 1], [5, 40, 70], seed=dim)
     torch.testing.assert_close(out.float(), reference.float(), **_tolerance(torch.float16))
