@@ -49,6 +49,12 @@ def _time_us(fn, graph: bool = True) -> tuple[float, str]:
         return do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e3, "do_bench"
 
 
+def _time_per_table(fn, tables) -> tuple[float, str]:
+    """Microseconds per call of ``fn(block_table)`` over one pass through ``tables`` (:func:`rotations`)."""
+    us, how = _time_us(lambda: [fn(bt) for bt in tables])
+    return us / len(tables), how
+
+
 def _vllm():
     """vLLM's kernels and config helpers, or None where vLLM is not importable."""
     try:
@@ -70,17 +76,35 @@ def _record(records, **fields):
     print(json.dumps(fields), flush=True)
 
 
-def _decode_case(records, B, L, presets, vllm, tune, variants=None, cache_tokens=0):
+def rotations(case_bytes: int, l2_bytes: int, cold: bool = True, cap: int = 64) -> int:
+    """How many disjoint block tables a decode case cycles through so that what one timed pass reads is at
+    least 4x the L2 cache (``case_bytes``: what one call reads of the most compressed cache timed): an engine
+    reads every layer's cache in turn, so no layer finds its cache in L2, but a benchmark that replays one call
+    would, for caches near or below the L2's size (1 x 32768 in 4 bits: 35 MB against the H200's 50 MB). 1
+    where the case alone is that large, or without ``cold``."""
+    if not cold or case_bytes <= 0:
+        return 1
+    return max(1, min(cap, math.ceil(4 * l2_bytes / case_bytes)))
+
+
+def _decode_case(records, B, L, presets, vllm, tune, variants=None, cache_tokens=0, cold_l2=True):
     """``cache_tokens``: allocate every cache with room for this many tokens (at least what the case reads) and
     draw the case's blocks from all of it, as in an engine whose cache fills the GPU (vLLM: millions of tokens
-    per layer); 0: exactly the blocks the case reads."""
+    per layer); 0: exactly the blocks the case reads. ``cold_l2``: each timed pass cycles through
+    :func:`rotations` disjoint block tables (as many times the case's blocks), so that the L2 holds none of
+    what a call reads, as in an engine's step; the time is per call. Off (``--warm-l2``): one block table,
+    replayed (the figures before 2026-12-04 evening)."""
     import tqkv_compile
     from tqkv_compile.lowerings.triton_attention import decode_attention
 
     dev = "cuda"
     nb = L // BS
-    num_blocks = max(B * nb, cache_tokens // BS)
-    bt = torch.randperm(num_blocks, device=dev)[: B * nb].to(torch.int32).view(B, nb)
+    token_bytes = [HK * tqkv_compile.get_preset(name, D).slot_bytes for name in presets]
+    if vllm is not None:
+        token_bytes.append(2 * HK * D)  # FA3 fp8's cache
+    k = rotations(B * L * min(token_bytes, default=0), torch.cuda.get_device_properties(0).L2_cache_size, cold_l2)
+    num_blocks = max(k * B * nb, cache_tokens // BS)
+    tables = torch.randperm(num_blocks, device=dev)[: k * B * nb].to(torch.int32).view(k, B, nb).unbind(0)
     first = len(records)
     seq_lens = torch.full((B,), L, dtype=torch.int32, device=dev)
     qsl = torch.arange(B + 1, dtype=torch.int32, device=dev)
@@ -93,11 +117,11 @@ def _decode_case(records, B, L, presets, vllm, tune, variants=None, cache_tokens
         # FA3: a bf16 cache's layers. FA2: what vLLM 0.20 runs on a TurboQuant engine's bf16 boundary layers
         # (it forces FA2 when the cache is TurboQuant; its FA2 is sm_80 code on Hopper)
         for version in (3, 2):
-            fa = lambda: vllm["fa"](q=q, k=kc, v=vc, max_seqlen_q=1, cu_seqlens_q=qsl,  # noqa: E731
-                                    max_seqlen_k=L, seqused_k=seq_lens, softmax_scale=scale, causal=True,
-                                    block_table=bt, fa_version=version)
+            fa = lambda bt: vllm["fa"](q=q, k=kc, v=vc, max_seqlen_q=1, cu_seqlens_q=qsl,  # noqa: E731
+                                       max_seqlen_k=L, seqused_k=seq_lens, softmax_scale=scale, causal=True,
+                                       block_table=bt, fa_version=version)
             try:
-                us, how = _time_us(fa)
+                us, how = _time_per_table(fa, tables)
                 _record(records, op="decode", B=B, L=L, impl=f"fa{version}_bf16", preset="bf16", us=round(us, 1),
                         GBps=round(nbytes / us / 1e3, 1), timing=how)
             except Exception as exc:  # noqa: BLE001
@@ -106,10 +130,11 @@ def _decode_case(records, B, L, presets, vllm, tune, variants=None, cache_tokens
             k8, v8, q8 = kc.to(torch.float8_e4m3fn), vc.to(torch.float8_e4m3fn), q.to(torch.float8_e4m3fn)
             ones = torch.ones(B, HK, dtype=torch.float32, device=dev)
             out8 = torch.empty(B, HQ, D, dtype=torch.bfloat16, device=dev)
-            fa8 = lambda: vllm["fa"](q=q8, k=k8, v=v8, max_seqlen_q=1, cu_seqlens_q=qsl, max_seqlen_k=L,  # noqa: E731
-                                     seqused_k=seq_lens, softmax_scale=scale, causal=True, block_table=bt,
-                                     fa_version=3, q_descale=ones, k_descale=ones, v_descale=ones, out=out8)
-            us, how = _time_us(fa8)
+            fa8 = lambda bt: vllm["fa"](q=q8, k=k8, v=v8, max_seqlen_q=1, cu_seqlens_q=qsl,  # noqa: E731
+                                        max_seqlen_k=L, seqused_k=seq_lens, softmax_scale=scale, causal=True,
+                                        block_table=bt, fa_version=3, q_descale=ones, k_descale=ones,
+                                        v_descale=ones, out=out8)
+            us, how = _time_per_table(fa8, tables)
             _record(records, op="decode", B=B, L=L, impl="fa3_fp8", preset="fp8", us=round(us, 1),
                     GBps=round(nbytes / 2 / us / 1e3, 1), timing=how)
             del k8, v8
@@ -125,17 +150,18 @@ def _decode_case(records, B, L, presets, vllm, tune, variants=None, cache_tokens
         backend = tqkv_compile.get_backend("triton")
         variants = [{}]
         if not p.vllm_layout:  # a preset of ours: triton_general's kernel (no tuning knobs)
-            call = lambda kw: backend.decode_kernels(q, cache, bt, seq_lens, qsl, scale, p)  # noqa: E731
+            call = lambda kw, bt: backend.decode_kernels(q, cache, bt, seq_lens, qsl, scale, p)  # noqa: E731
         else:
             rotation, centroids, _ = backend.tables(p, torch.device(dev))
-            call = lambda kw: decode_attention(q, cache, bt, seq_lens, qsl, scale, p, rotation, centroids, **kw)  # noqa: E731
+            call = lambda kw, bt: decode_attention(q, cache, bt, seq_lens, qsl, scale, p, rotation, centroids,  # noqa: E731
+                                                   **kw)
             if tune:
                 variants = tune_variants or [dict(block_n=bn, num_warps=w, num_stages=s, kernel=k)
                                              for bn in (32, 64, 128) for w in (4, 8) for s in (2, 3)
                                              for k in ("words", "bytes")]
         for kw in variants:
             try:
-                us, how = _time_us(lambda: call(kw))
+                us, how = _time_per_table(lambda bt: call(kw, bt), tables)
                 _record(records, op="decode", B=B, L=L, impl="tqkv", preset=name, us=round(us, 1),
                         GBps=round(nbytes / us / 1e3, 1), timing=how, **({"variant": kw} if tune else {}))
             except Exception as exc:  # noqa: BLE001
@@ -148,12 +174,12 @@ def _decode_case(records, B, L, presets, vllm, tune, variants=None, cache_tokens
             Pi = torch.linalg.qr(torch.randn(D, D, device=dev))[0].contiguous()
             PiT = Pi.T.contiguous()
             cent = vllm["get_centroids"](D, cfg.centroid_bits).to(dev)
-            tq = lambda: vllm["tq_decode"](q, vcache, bt, seq_lens, Pi, cent, scale, cfg.key_mse_bits,  # noqa: E731
-                                           cfg.key_packed_size, cfg.effective_value_quant_bits,
-                                           key_fp8=cfg.key_fp8, norm_correction=cfg.norm_correction, PiT=PiT,
-                                           max_num_kv_splits=32)
+            tq = lambda bt: vllm["tq_decode"](q, vcache, bt, seq_lens, Pi, cent, scale, cfg.key_mse_bits,  # noqa: E731
+                                              cfg.key_packed_size, cfg.effective_value_quant_bits,
+                                              key_fp8=cfg.key_fp8, norm_correction=cfg.norm_correction,
+                                              PiT=PiT, max_num_kv_splits=32)
             try:
-                us, how = _time_us(tq)
+                us, how = _time_per_table(tq, tables)
                 _record(records, op="decode", B=B, L=L, impl="vllm_tq", preset=name, us=round(us, 1),
                         GBps=round(B * L * HK * cfg.slot_size_aligned / us / 1e3, 1), timing=how)
             except Exception as exc:  # noqa: BLE001
@@ -161,8 +187,10 @@ def _decode_case(records, B, L, presets, vllm, tune, variants=None, cache_tokens
             del vcache
         del cache
         torch.cuda.empty_cache()
-    for record in records[first:] if cache_tokens else ():
-        record["cache_tokens"] = num_blocks * BS
+    for record in records[first:]:
+        record["l2"] = f"cold: {k} block tables" if cold_l2 else "warm: one block table replayed"
+        if cache_tokens:
+            record["cache_tokens"] = num_blocks * BS
 
 
 def _write_case(records, T, presets, vllm):
@@ -422,6 +450,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cache-tokens", type=int, default=0,
                         help="decode cases: caches sized for this many tokens, the case's blocks drawn from all of "
                              "it (an engine's cache; default: exactly the blocks read)")
+    parser.add_argument("--warm-l2", action="store_true",
+                        help="replay one block table per decode case (the L2 may hold a small case's cache); default: "
+                             "cycle through disjoint ones so that no call finds its blocks in L2, as in an engine")
     parser.add_argument("--check", action="store_true", help="compare the Triton backend with the reference, then exit")
     parser.add_argument("--dims", default="64,128,256", help="head sizes for --check")
     args = parser.parse_args(argv)
@@ -436,7 +467,8 @@ def main(argv: list[str] | None = None) -> int:
     records: list[dict] = [_meta(argv)]
     for B, L in cases:
         _decode_case(records, B, L, presets, vllm, args.tune,
-                     json.loads(args.variants) if args.variants else None, cache_tokens=args.cache_tokens)
+                     json.loads(args.variants) if args.variants else None, cache_tokens=args.cache_tokens,
+                     cold_l2=not args.warm_l2)
     for c in (c for c in args.prefill.split(",") if c):
         B, L = (int(x) for x in c.split("x"))
         _prefill_case(records, B, L, presets, vllm)
