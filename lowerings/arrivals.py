@@ -1,5 +1,5 @@
 """Arrival counts that put themselves back to zero, for kernels whose last program to arrive finishes the
-others' work (the split-KV merge in the decode kernel, the corrected key norm in kv_write).
+others' work (kv_write's corrected key norm for tqkv_4bit_pc).
 
 A per-call ``torch.zeros`` of the counts is a memset of its own in every launch (a node of its own in a CUDA
 graph, ~1-2 us at a decode step). These counts are zeroed once and kept for the process: the program that
@@ -11,14 +11,14 @@ warm-up and profile runs, which come before capture, size it), and during captur
 the buffer holds gets None and falls back to a per-call buffer or a launch of its own; nothing is created while
 Inductor traces a launcher (fake tensors), so traced launches do not use them.
 
-Kept counts are on unless ``TQKV_KEPT_COUNTS=0`` (:func:`kept_counts`); the decode merge in the stream
-kernel's launch, their other user, only with ``TQKV_LAST_ARRIVER=1`` (:func:`merge_in_kernel`). Measured on the
-H200 (2026-12-04, ``bench/results/h200-variants-arrivals.json``, one machine, consecutive commands; the GPU
-check with both on: 0 failures): tqkv_4bit_pc's kv_write 7.8 -> 6.6 us at one token, 7.3 -> 6.3 at 64 (the
-memset gone), so kept counts are the default; the in-launch merge made decode at 1 x 32768 ~9 us slower (k8v4
-37.7 -> 46.6, tqkv_4bit_pc 47.9 -> 56.5: 8 programs, one per kv head, merge 48 splits each, where the merge
-kernel spreads the work over 32) and 64 x 4096 mixed (tqkv_4bit_pc 350.1 -> 333.1, 4bit_nc 377.4 -> 382.8,
-k8v4 234.8 -> 240.5), so it stays off.
+Kept counts are on unless ``TQKV_KEPT_COUNTS=0`` (:func:`kept_counts`). Measured on the H200 (2026-12-04,
+``bench/results/h200-variants-arrivals.json``, one machine, consecutive commands; GPU check: 0 failures):
+tqkv_4bit_pc's kv_write 7.8 -> 6.6 us at one token, 7.3 -> 6.3 at 64 (the memset gone). The same counts let
+the decode kernel's last split merge the splits in its own launch (``TQKV_LAST_ARRIVER=1``, since removed):
+~9 us slower at 1 x 32768 (k8v4 37.7 -> 46.6 us, tqkv_4bit_pc 47.9 -> 56.5: 8 programs, one per kv head,
+merging 48 splits each, where the merge kernel's launch spreads the work over 32), mixed at 64 x 4096
+(tqkv_4bit_pc 350.1 -> 333.1, 4bit_nc 377.4 -> 382.8, k8v4 234.8 -> 240.5); its code is in git history
+(bd688d7, ``_arrive_and_merge``).
 """
 
 from __future__ import annotations
@@ -40,12 +40,6 @@ def kept_counts() -> bool:
     """Whether arrival counts are kept zeroed between launches (default; ``TQKV_KEPT_COUNTS=0``: a zeroed
     buffer per launch, e.g. where launches that count could run on two streams at once)."""
     return os.environ.get("TQKV_KEPT_COUNTS", "1") != "0"
-
-
-def merge_in_kernel() -> bool:
-    """Whether the decode stream kernel's last split to arrive merges the splits in its own launch
-    (``TQKV_LAST_ARRIVER=1``; off by default: slower at batch 1 on the H200, see above)."""
-    return os.environ.get("TQKV_LAST_ARRIVER", "0") == "1"
 
 
 def arrival_counts(purpose: str, n: int, device: torch.device) -> torch.Tensor | None:

@@ -13,8 +13,7 @@ one split of that row's causal context, in tiles of ``BLOCK_N`` positions:
 - values: integer codes are exact in fp16, so ``P.V = (P * scale) . codes + (P . zero)`` per column.
 
 Each program writes its partial output (normalised) and its base-2 log-sum-exp; the merge kernel combines
-the splits (or, in the stream kernel with ``TQKV_LAST_ARRIVER=1``, the last split program to arrive does, in
-the same launch: ``_arrive_and_merge``). A row's sequence and causal length come from ``query_start_loc`` inside the kernel (the
+the splits. A row's sequence and causal length come from ``query_start_loc`` inside the kernel (the
 one-token-per-sequence case is recognised in two loads; other rows binary-search), so any mix of decode and
 multi-token rows is served: each row attends to positions ``0 .. seq_len - n_new + j``.
 
@@ -32,8 +31,7 @@ import triton
 import triton.language as tl
 
 from tqkv_compile.codec import Preset
-from tqkv_compile.lowerings import arrivals, dependent_launch
-from tqkv_compile.lowerings.arrivals import arrival_counts
+from tqkv_compile.lowerings import dependent_launch
 from tqkv_compile.lowerings.dependent_launch import wait_and_release
 from tqkv_compile.lowerings.triton_query import prepare_query
 from tqkv_compile.rotation import hadamard
@@ -579,49 +577,6 @@ def _fp8x4_fp16(words):
 
 
 @triton.jit
-def _out_rows(out_ptr, row, q_heads, s_ot, s_oh, s_od, D: tl.constexpr):
-    """Pointers [BLOCK_H, D] to ``row``'s output rows of ``q_heads``."""
-    return out_ptr + row * s_ot + q_heads[:, None] * s_oh + tl.arange(0, D)[None, :] * s_od
-
-
-@triton.jit
-def _arrive_and_merge(part_out_ptr, part_lse_ptr, out_ptr, count_ptr, row, kv_head, s_ot, s_oh, s_od,
-                      GROUP: tl.constexpr, D: tl.constexpr, NUM_SPLITS: tl.constexpr):
-    """The split-KV merge of one (row, kv head) by the last of its NUM_SPLITS programs to arrive
-    (:mod:`~tqkv_compile.lowerings.arrivals`: the count goes back to 0 after): what :func:`_merge_kernel` does
-    in a launch of its own, a query head at a time: its lse, then its partials in 64-column chunks whose loads
-    do not wait for the lse (a dead split's garbage is dropped by a select, not by a mask).
-    Every thread's partials are stored before the one arrival (a barrier; the atomic is acq_rel at GPU scope),
-    and the last program reads the others' from L2 (``.cg``)."""
-    tl.debug_barrier()
-    count = count_ptr + row * tl.num_programs(1) + kv_head
-    if tl.atomic_add(count, 1) == NUM_SPLITS - 1:
-        SPLITS_P2: tl.constexpr = triton.next_power_of_2(NUM_SPLITS)
-        # columns a chunk: [64 splits, 64] fp32 partials are 32 registers a thread (a whole head of 256 at 48
-        # splits spilled 2 KB: ptx_stats --splits 48 --head-dim 256 --merge)
-        DC: tl.constexpr = 64 if D > 64 else D
-        sp = tl.arange(0, SPLITS_P2)
-        real = sp < NUM_SPLITS
-        for g in tl.static_range(GROUP):
-            q_head = kv_head * GROUP + g
-            part0 = (row * (GROUP * tl.num_programs(1)) + q_head) * NUM_SPLITS
-            lse = tl.load(part_lse_ptr + part0 + sp, mask=real, other=float("-inf"), cache_modifier=".cg")
-            live = lse > float("-inf")
-            top = tl.max(lse, axis=0)
-            top = tl.where(top > float("-inf"), top, 0.0)
-            weight = tl.where(live, tl.exp2(lse - top), 0.0)
-            total = tl.sum(weight, axis=0)
-            for c0 in tl.static_range(0, D, DC):
-                d = c0 + tl.arange(0, DC)
-                parts = tl.load(part_out_ptr + (part0 + sp)[:, None] * D + d[None, :], mask=real[:, None],
-                                other=0.0, cache_modifier=".cg")
-                out = tl.sum(tl.where(live[:, None], parts, 0.0) * weight[:, None], axis=0)
-                out = out / tl.where(total > 0, total, 1.0)
-                tl.store(out_ptr + row * s_ot + q_head * s_oh + d * s_od, out.to(out_ptr.dtype.element_ty))
-        tl.atomic_xchg(count, 0)
-
-
-@triton.jit
 def _stream_query(q_ptr, signs_ptr, row, q_heads, head_ok, s_qt, s_qh, s_qd, D: tl.constexpr,
                   BLOCK_H: tl.constexpr, ROTATE: tl.constexpr, Q_PRE: tl.constexpr, Q_POST: tl.constexpr,
                   DTYPE: tl.constexpr, PRECISION: tl.constexpr):
@@ -648,8 +603,8 @@ def _stream_query(q_ptr, signs_ptr, row, q_heads, head_ok, s_qt, s_qh, s_qd, D: 
 @triton.jit
 def _decode_stream_kernel(
     q_ptr, signs_ptr, cache_ptr, block_table_ptr, seq_lens_ptr, qsl_ptr, cent_ptr, key_lut_ptr, part_out_ptr,
-    part_lse_ptr, out_ptr, count_ptr,
-    num_seqs, max_len, s_ot, s_oh, s_od,
+    part_lse_ptr,
+    num_seqs, max_len,
     s_qt, s_qh, s_qd, s_bt, s_bm,
     h_blk, h_pos, h_head,
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
@@ -659,7 +614,7 @@ def _decode_stream_kernel(
     DOT_FP32: tl.constexpr, KEY_WORD: tl.constexpr, VALUE_WORD: tl.constexpr, PREFETCH: tl.constexpr,
     NC_DOT: tl.constexpr, ASM: tl.constexpr, INDEX32: tl.constexpr,
     QUERY_IN_KERNEL: tl.constexpr, ROTATE_QUERY: tl.constexpr, Q_PRE: tl.constexpr, Q_POST: tl.constexpr,
-    MERGE: tl.constexpr, GDC: tl.constexpr = False,
+    GDC: tl.constexpr = False,
 ):
     """The split kernel's contract (see :func:`_decode_split_kernel`) for fp8 or 4-bit Lloyd-Max keys with
     4-bit uniform values (k8v4, 4bit_nc), a cache whose last stride is 1 and whose fields are WORD-byte
@@ -668,9 +623,7 @@ def _decode_stream_kernel(
     coordinate order (no query permutation). With PREFETCH, the next tile's words and the tile after's block
     ids are loaded before the current tile is computed (software pipelining by hand: the loads are in flight
     during the math). With QUERY_IN_KERNEL, ``q_ptr`` is the model's query and :func:`_stream_query` rotates
-    and scales it (no launch of :func:`prepare_query`); otherwise it is prepare_query's. With MERGE, the
-    splits are merged in this launch (``out_ptr``, :func:`_arrive_and_merge`; one split stores its output
-    there directly), not by :func:`_merge_kernel`'s."""
+    and scales it (no launch of :func:`prepare_query`); otherwise it is prepare_query's."""
     wait_and_release(GDC)
     row = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -684,14 +637,7 @@ def _decode_stream_kernel(
     seq, begin, end, q_heads, part, head_ok = _split_span(row, kv_head, split, qsl_ptr, seq_lens_ptr, num_seqs,
                                                           max_len, GROUP, BLOCK_H, BLOCK_N, NUM_SPLITS, SEARCH_STEPS)
     if begin >= end:
-        if MERGE and NUM_SPLITS == 1:  # no context at all: the merge's output for it
-            tl.store(_out_rows(out_ptr, row, q_heads, s_ot, s_oh, s_od, D),
-                     tl.zeros((BLOCK_H, D), out_ptr.dtype.element_ty), mask=head_ok[:, None])
-        else:
-            tl.store(part_lse_ptr + part, tl.full((BLOCK_H,), float("-inf"), tl.float32), mask=head_ok)
-            if MERGE:
-                _arrive_and_merge(part_out_ptr, part_lse_ptr, out_ptr, count_ptr, row, kv_head, s_ot, s_oh, s_od,
-                                  GROUP, D, NUM_SPLITS)
+        tl.store(part_lse_ptr + part, tl.full((BLOCK_H,), float("-inf"), tl.float32), mask=head_ok)
         return
 
     d = tl.arange(0, D)
@@ -795,15 +741,8 @@ def _decode_stream_kernel(
     inv = 1.0 / l_i
     f = tl.where((d & 1) == 1, 1.0 / 16.0, 1.0)  # exact: a power of two
     out = (acc - 1024.0 * psum[:, None]) * (f[None, :] * inv[:, None]) + (zsum * inv)[:, None]
-    if MERGE and NUM_SPLITS == 1:
-        tl.store(_out_rows(out_ptr, row, q_heads, s_ot, s_oh, s_od, D), out.to(out_ptr.dtype.element_ty),
-                 mask=head_ok[:, None])
-    else:
-        tl.store(part_out_ptr + part[:, None] * D + d[None, :], out, mask=head_ok[:, None])
-        tl.store(part_lse_ptr + part, m_i + tl.log2(l_i), mask=head_ok)
-        if MERGE:
-            _arrive_and_merge(part_out_ptr, part_lse_ptr, out_ptr, count_ptr, row, kv_head, s_ot, s_oh, s_od,
-                              GROUP, D, NUM_SPLITS)
+    tl.store(part_out_ptr + part[:, None] * D + d[None, :], out, mask=head_ok[:, None])
+    tl.store(part_lse_ptr + part, m_i + tl.log2(l_i), mask=head_ok)
 
 
 def key_column_order(preset: Preset, dim: int) -> torch.Tensor:
@@ -1017,8 +956,7 @@ def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: t
                      prefetch: bool = False, nc_dot: bool | None = None, asm: bool = True,
                      maxnreg: int | None = None, lut: torch.Tensor | None = None,
                      index32: bool | None = None, signs: torch.Tensor | None = None,
-                     query_in_kernel: bool | None = None, merge_in_kernel: bool | None = None,
-                     launch=None) -> torch.Tensor:
+                     query_in_kernel: bool | None = None, launch=None) -> torch.Tensor:
     """query [T, Hq, D] -> out [T, Hq, D] (query dtype); see the module docstring and ops.attention.
     ``kernel``: "stream", "words" or "bytes" (default: :func:`default_kernel`); the other keywords are tuning
     knobs (the H200 sweep's best by default). ``lut``: the stream kernel's key lookup table (default:
@@ -1026,10 +964,7 @@ def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: t
     (default: wherever the cache view spans fewer than 2^31 half-words; False forces int64). ``signs``: the
     stream kernel's rotation as +-1 (default: :func:`rotation_signs`); ``query_in_kernel``: the stream kernel
     rotates and scales the query itself (default: for fp8 keys, whose query is only scaled, with fp16 / bf16
-    queries and interpreted; False: a :func:`prepare_query` launch first). ``merge_in_kernel``: the stream
-    kernel merges its splits itself (default: :func:`~tqkv_compile.lowerings.arrivals.merge_in_kernel`, i.e.
-    ``TQKV_LAST_ARRIVER=1``; see :func:`_arrive_and_merge`): one split stores its output directly, more need
-    the kept arrival counts (without them, ``TQKV_KEPT_COUNTS=0``, the merge kernel's launch). ``launch``: wraps
+    queries and interpreted; False: a :func:`prepare_query` launch first). ``launch``: wraps
     each kernel before its launch (``torch.library.wrap_triton`` when traced for Inductor, see
     :mod:`tqkv_compile.lowerings.inductor_ops`)."""
     require_vllm_layout(preset)
@@ -1063,19 +998,8 @@ def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: t
     if splits is None:
         occupancy = programs_per_sm(maxnreg, num_warps or 4) if kernel == "stream" and maxnreg else None
         splits = num_splits(rows, kv_heads, max_len, query.device, block_n, occupancy)
-    # the split-KV merge in the stream kernel's launch (the last split to arrive merges; one split stores its
-    # output directly), not where Inductor traces the launcher (no process-wide counts there) or where the
-    # counts cannot grow (CUDA-graph capture): then the merge kernel's launch
-    if merge_in_kernel is None:
-        merge_in_kernel = arrivals.merge_in_kernel()
-    in_launch = merge_in_kernel and kernel == "stream" and launch is _plain_launch
-    counts = arrival_counts("decode_merge", rows * kv_heads, query.device) if in_launch and splits > 1 else None
-    merge = in_launch and (splits == 1 or counts is not None)
-    if merge and splits == 1:
-        part_out = part_lse = counts = out  # (not read)
-    else:
-        part_out = torch.empty(rows, heads, splits, dim, dtype=torch.float32, device=query.device)
-        part_lse = torch.empty(rows, heads, splits, dtype=torch.float32, device=query.device)
+    part_out = torch.empty(rows, heads, splits, dim, dtype=torch.float32, device=query.device)
+    part_lse = torch.empty(rows, heads, splits, dtype=torch.float32, device=query.device)
     pdl = dependent_launch.options(query.device, traced=launch is not _plain_launch)
     num_seqs = seq_lens.shape[0]
     common = dict(GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), D=dim, BLOCK_SIZE=kv_cache.shape[1],
@@ -1101,7 +1025,7 @@ def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: t
         lut = lut if lut is not None else key_lut(preset, query.device)
         launch(_decode_stream_kernel)[(rows, kv_heads, splits)](
             q, signs, kv_cache, block_table, seq_lens, query_start_loc, centroids, lut, part_out, part_lse,
-            out, counts if merge else out, num_seqs, max_len, *out.stride(), *q.stride(), *block_table.stride(), *(st // 2 for st in kv_cache.stride()[:3]),
+            num_seqs, max_len, *q.stride(), *block_table.stride(), *(st // 2 for st in kv_cache.stride()[:3]),
             GROUP=common["GROUP"], BLOCK_H=common["BLOCK_H"], D=dim, BLOCK_SIZE=kv_cache.shape[1], BLOCK_N=block_n,
             NUM_SPLITS=splits, SEARCH_STEPS=common["SEARCH_STEPS"], KEY_FP8=preset.key_fp8,
             KEY_CODE_BYTES=preset.key_code_bytes, NORM_CORRECTION=preset.norm_correction,
@@ -1110,7 +1034,7 @@ def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: t
             INDEX32=index32 is not False and _halves_span(kv_cache) < 2**31,
             QUERY_IN_KERNEL=query_in_kernel, ROTATE_QUERY=rotate and query_in_kernel,
             Q_PRE=q_pre if query_in_kernel else 1.0, Q_POST=q_scale / q_pre if query_in_kernel else 1.0,
-            MERGE=merge, num_warps=num_warps or 4, num_stages=num_stages or 1,
+            num_warps=num_warps or 4, num_stages=num_stages or 1,
             **pdl,
             **({} if maxnreg is None else {"maxnreg": maxnreg}),
         )
@@ -1132,8 +1056,6 @@ def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: t
             *q.stride(), *block_table.stride(), *kv_cache.stride(),
             **common, num_warps=num_warps or 4, num_stages=num_stages or 2,
         )
-    if merge:
-        return out
     launch(_merge_kernel)[(rows, heads)](
         part_out, part_lse, out, *out.stride(),
         NUM_HEADS=heads, D=dim, NUM_SPLITS=splits, SPLITS_P2=triton.next_power_of_2(splits),

@@ -396,14 +396,10 @@ def test_stream_kernel_matches_reference(preset_name, dim, variant):
     torch.testing.assert_close(out.float(), expected.float(), **_tolerance(torch.float16))
 
 
-@pytest.mark.parametrize("last_arriver", ["0", "1"])
-def test_launchers_run_through_wrap_triton(last_arriver, monkeypatch):
+def test_launchers_run_through_wrap_triton():
     """The launch hook that lets Inductor trace the kernels (``torch.library.wrap_triton``; see
-    lowerings/inductor_ops.py) launches the same kernels: the attention and the cache bytes are unchanged
-    (with TQKV_LAST_ARRIVER=1 too: a traced launch keeps the merge kernel and per-call counts)."""
+    lowerings/inductor_ops.py) launches the same kernels: the attention and the cache bytes are unchanged."""
     from torch.library import wrap_triton
-
-    monkeypatch.setenv("TQKV_LAST_ARRIVER", last_arriver)
 
     from tqkv_compile.lowerings.triton_kv_write import kv_write
 
@@ -453,22 +449,18 @@ def test_dependent_launch_only_on_a_gpu_when_asked_and_never_traced(monkeypatch)
 
 
 def test_arrival_counts_are_kept_by_default_and_never_freed_when_they_grow(monkeypatch):
-    """Kept unless TQKV_KEPT_COUNTS=0 (the in-launch merge only with TQKV_LAST_ARRIVER=1); zeroed when made; a
-    buffer that grows keeps its predecessor alive (a CUDA graph captured before still counts in it); during
-    capture a buffer too small gives None (no allocation)."""
+    """Kept unless TQKV_KEPT_COUNTS=0; zeroed when made; a buffer that grows keeps its predecessor alive (a CUDA
+    graph captured before still counts in it); during capture a buffer too small gives None (no allocation)."""
     from tqkv_compile.lowerings import arrivals
 
     monkeypatch.setattr(arrivals, "_COUNTS", {})
     monkeypatch.setattr(arrivals, "_RETIRED", [])
     cpu = torch.device("cpu")
-    monkeypatch.delenv("TQKV_LAST_ARRIVER", raising=False)
     monkeypatch.delenv("TQKV_KEPT_COUNTS", raising=False)
-    assert arrivals.kept_counts() and not arrivals.merge_in_kernel()
+    assert arrivals.kept_counts()
     monkeypatch.setenv("TQKV_KEPT_COUNTS", "0")
     assert arrivals.arrival_counts("test", 10, cpu) is None and arrivals._COUNTS == {}
     monkeypatch.delenv("TQKV_KEPT_COUNTS")
-    monkeypatch.setenv("TQKV_LAST_ARRIVER", "1")
-    assert arrivals.merge_in_kernel()
     first = arrivals.arrival_counts("test", 10, cpu)
     assert first.dtype == torch.int32 and first.numel() >= 10 and not first.any()
     assert arrivals.arrival_counts("test", 10, cpu) is first
@@ -477,55 +469,6 @@ def test_arrival_counts_are_kept_by_default_and_never_freed_when_they_grow(monke
     monkeypatch.setattr(arrivals, "_capturing", lambda device: True)
     assert arrivals.arrival_counts("test", grown.numel(), cpu) is grown
     assert arrivals.arrival_counts("test", grown.numel() + 1, cpu) is None
-
-
-@pytest.mark.parametrize("splits", [1, 3, 9])
-def test_stream_kernel_merges_its_splits_in_its_own_launch(splits, monkeypatch):
-    """The last split to arrive merges (one split stores its output): the same output as the merge kernel's
-    launch to fp32 rounding, no merge launch, and the arrival counts all back to zero after the call (the next
-    call starts from them without a memset). Where the counts cannot grow (CUDA-graph capture), the merge
-    kernel's launch again."""
-    from tqkv_compile.lowerings import arrivals
-    from tqkv_compile.lowerings import triton_attention as ta
-
-    monkeypatch.setenv("TQKV_LAST_ARRIVER", "1")
-    preset = get_preset("turboquant_k8v4", 64)
-    args = dict(kernel="stream", block_n=16, splits=splits, fill=0xFF)
-    launches = []
-    real_merge = ta._merge_kernel
-    monkeypatch.setattr(ta, "_merge_kernel", type("Counted", (), {
-        "__getitem__": lambda self, grid: (launches.append(grid), real_merge[grid])[1]})())
-    merged, expected = _attention_both(preset, 4, torch.float16, [1, 2, 1], [40, 70, 3], seed=7, **args)
-    assert launches == []
-    separate, _ = _attention_both(preset, 4, torch.float16, [1, 2, 1], [40, 70, 3], seed=7,
-                                  merge_in_kernel=False, **args)
-    assert len(launches) == 1
-    torch.testing.assert_close(merged.float(), separate.float(), atol=1e-6, rtol=0)
-    torch.testing.assert_close(merged.float(), expected.float(), **_tolerance(torch.float16))
-    # a bf16 query with padding rows past the last sequence's (zeros, as the merge kernel's), the partials'
-    # scratch full of NaN (a dead split's garbage must be dropped)
-    cache, table, seq_lens = _filled_cache(preset, [40, 3], seed=8, fill=0xFF)
-    starts = torch.tensor([0, 1, 2], dtype=torch.int32)
-    query = torch.randn(4, KV_HEADS * 4, 64, generator=torch.Generator().manual_seed(9)).to(torch.bfloat16)
-    rotation, centroids, _ = get_backend("triton").tables(preset, query.device)
-    real_empty = torch.empty
-    monkeypatch.setattr(torch, "empty", lambda *a, **k: real_empty(*a, **k).fill_(float("nan"))
-                        if k.get("dtype") == torch.float32 else real_empty(*a, **k))
-    padded = ta.decode_attention(query, cache, table, seq_lens, starts, 0.125, preset, rotation, centroids,
-                                 kernel="stream", block_n=16, splits=splits)
-    apart = ta.decode_attention(query, cache, table, seq_lens, starts, 0.125, preset, rotation, centroids,
-                                kernel="stream", block_n=16, splits=splits, merge_in_kernel=False)
-    monkeypatch.setattr(torch, "empty", real_empty)
-    assert padded.dtype == torch.bfloat16 and not padded.isnan().any() and not padded[2:].any()
-    torch.testing.assert_close(padded.float(), apart.float(), atol=1e-6, rtol=0)
-    counts = arrivals._COUNTS.get(("decode_merge", "cpu"))
-    assert (counts is not None or splits == 1) and (counts is None or not counts.any())
-    monkeypatch.setattr(arrivals, "_capturing", lambda device: True)
-    monkeypatch.setitem(arrivals._COUNTS, ("decode_merge", "cpu"), torch.zeros(1, dtype=torch.int32))
-    launches.clear()
-    fallback, _ = _attention_both(preset, 4, torch.float16, [1, 2, 1], [40, 70, 3], seed=7, **args)
-    assert len(launches) == (splits > 1)
-    torch.testing.assert_close(fallback.float(), merged.float(), atol=2e-3, rtol=0)
 
 
 def test_split_count_follows_the_wave_model(monkeypatch):

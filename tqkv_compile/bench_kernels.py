@@ -399,7 +399,7 @@ def _meta(argv) -> dict:
 
 
 def _tqkv_env() -> dict:
-    """The TQKV_* switches the run had (experimental paths such as TQKV_LAST_ARRIVER, TQKV_PDL change what is
+    """The TQKV_* switches the run had (experimental paths such as TQKV_PDL, TQKV_KEPT_COUNTS change what is
     timed), TQKV_COMMIT aside."""
     return {k: v for k, v in sorted(os.environ.items()) if k.startswith("TQKV_") and k != "TQKV_COMMIT"}
 

@@ -90,17 +90,14 @@ class TritonBackend:
         if not preset.vllm_layout:
             self.general_tables(preset, device)
             return
-        from tqkv_compile.lowerings.arrivals import arrival_counts, merge_in_kernel
+        from tqkv_compile.lowerings.arrivals import arrival_counts
         from tqkv_compile.lowerings.triton_attention import column_order, key_lut, rotation_signs
 
         self.tables(preset, device)
         key_lut(preset, device)
         column_order(preset, device)
         rotation_signs(preset.head_dim, device)
-        # kept arrival counts for 1024 row blocks of a write and (TQKV_LAST_ARRIVER=1) 8192 decode rows x 8 kv
-        # heads, zeroed now: the eager runs before capture may not reach the decode kernels
-        if merge_in_kernel():
-            arrival_counts("decode_merge", 65536, device)
+        # kept arrival counts for 1024 row blocks of a write, zeroed now (not inside CUDA-graph capture)
         arrival_counts("kv_write_norm", 1024, device)
 
     def kv_write(self, key, value, kv_cache, slot_mapping, preset: Preset) -> None:
