@@ -18,7 +18,6 @@ measured on the calibration window; none adds bytes to a slot):
   the query covariance (M^-1 folds into o_proj: free at the read).
 - ``mv``: subtract the calibrated mean value (added back at the read).
 - ``sink<N>``: the sequence's first N tokens kept in bf16 (per-sequence storage, not slot-local).
-- ``heads``: (special, see --per-head) a per-(layer, kv head) choice of mix.
 
     python bench/quality_explore.py --configs k5v3,k5v3+mk,k5v3+mk+ks [--tokens 4096]
 """
@@ -37,7 +36,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from tqkv_compile import quality as Q  # noqa: E402
+from tqkv_compile import lloyd_max  # noqa: E402
 from tqkv_compile.codec import Preset, PresetSpec  # noqa: E402
+from tqkv_compile.rotation import hadamard  # noqa: E402
 
 HEAD_DIM = 64
 
@@ -59,7 +60,8 @@ class Config:
     seq_mean: int = 0
     seq_skip0: bool = False
     sink: int = 0
-    per_head: dict | None = None  # (layer, head) -> Preset
+    key_power: float = 0.25  # ks<p>: s_c = (E[q_c^2] / E[k_c^2])^p
+    value_power: float = 0.25
 
 
 def parse_config(text: str) -> Config:
@@ -71,7 +73,13 @@ def parse_config(text: str) -> Config:
             cfg.seq_mean, cfg.seq_skip0 = int(m.group(1)), bool(m.group(2))
         elif m := re.fullmatch(r"sink(\d+)", flag):
             cfg.sink = int(m.group(1))
-        elif flag in ("mk", "ks", "kS", "vs", "vS", "mv"):
+        elif m := re.fullmatch(r"([kv]s)([\d.]+)", flag):
+            cfg.flags.add(m.group(1))
+            if m.group(1) == "ks":
+                cfg.key_power = float(m.group(2))
+            else:
+                cfg.value_power = float(m.group(2))
+        elif flag in ("mk", "ks", "kS", "vs", "vS", "mv", "vraw", "vproj", "kraw", "kproj", "vub", "kub", "konly", "vonly"):
             cfg.flags.add(flag)
         else:
             raise ValueError(f"bad flag {flag!r} in {text!r}")
@@ -98,6 +106,31 @@ def geo_transform(sx: torch.Tensor, sw: torch.Tensor) -> torch.Tensor:
     a = (a + a.T) / 2
     m = sqrtm(a)
     return m / torch.linalg.det(m).abs() ** (1 / m.shape[0])
+
+
+def lloyd_max_round_trip(x: torch.Tensor, bits: int, wide: int, mode: str) -> torch.Tensor:
+    """The codec's Lloyd-Max round trip (fp32 [N, D]) with a choice of what the fp16 norm field holds:
+    ``nc`` ||x|| with the centroid vector renormalised at the read (the codec: it inflates the vector by
+    ~1 + MSE/2 on average), ``raw`` ||x|| times the centroid vector as is (the conditional mean given the
+    codes, shrinks x by ~1 - MSE along itself), ``proj`` the least-squares scale <x, c> / ||c||^2 (least error
+    per vector), ``ub`` the scale ||x||^2 / <x, c>: the error is orthogonal to x, so <x_hat, x> = ||x||^2 and an
+    attention-weighted sum of values is not shrunk (its errors average out instead)."""
+    dim = x.shape[1]
+    h = hadamard(dim)
+    norms = x.norm(dim=1, keepdim=True)
+    rotated = (x / (norms + 1e-8)) @ h
+    unit = lloyd_max.centroids(dim, bits)[torch.bucketize(rotated[:, wide:].contiguous(),
+                                                          lloyd_max.midpoints(dim, bits), right=True)]
+    if wide:
+        unit = torch.cat([lloyd_max.centroids(dim, bits + 1)[torch.bucketize(
+            rotated[:, :wide].contiguous(), lloyd_max.midpoints(dim, bits + 1), right=True)], unit], 1)
+    if mode == "nc":
+        unit = unit / torch.sqrt((unit * unit).sum(-1, keepdim=True) + 1e-16)
+    elif mode == "ub":
+        norms = norms / ((rotated * unit).sum(-1, keepdim=True) + 1e-16)
+    elif mode == "proj":
+        norms = norms * (rotated * unit).sum(-1, keepdim=True) / ((unit * unit).sum(-1, keepdim=True) + 1e-16)
+    return (unit @ h) * norms.half().float()
 
 
 class Explore(Q.KVRoundTrip):
@@ -140,21 +173,23 @@ class Explore(Q.KVRoundTrip):
             c["w"] = torch.einsum("hrjd,hrje->hde", wo, wo)
             self.const[layer] = c
 
-    def transforms(self, layer: int, flags: set[str]):
+    def transforms(self, layer: int, cfg: Config):
         """(key M, key M^-1, value M, value M^-1) float32 [Hk, D, D] or None, cached per flag set."""
         c = self.const[layer]
-        key = ("tf", layer, "mk" in flags, "ks" in flags, "kS" in flags, "vs" in flags, "vS" in flags, "mv" in flags)
+        flags = cfg.flags
+        key = ("tf", layer, cfg.key_power, cfg.value_power, "mk" in flags, "ks" in flags, "kS" in flags, "vs" in flags, "vS" in flags, "mv" in flags)
         if key in c:
             return c[key]
         hk = c["k_mean"].shape[0]
         out = [None, None, None, None]
         sk = c["k_cov"] if "mk" in flags else c["k_second"]
         sv = c["v_cov"] if "mv" in flags else c["v_second"]
-        for i, (diag, full, sx, sw) in enumerate((("ks", "kS", sk, c["q_second"]), ("vs", "vS", sv, c["w"]))):
+        for i, (diag, full, sx, sw, power) in enumerate((("ks", "kS", sk, c["q_second"], cfg.key_power),
+                                                         ("vs", "vS", sv, c["w"], cfg.value_power))):
             if diag in flags:
                 dx = torch.diagonal(sx, dim1=-2, dim2=-1)
                 dw = torch.diagonal(sw, dim1=-2, dim2=-1)
-                s = (dw / dx.clamp_min(1e-12 * dx.max())) ** 0.25
+                s = (dw / dx.clamp_min(1e-12 * dx.max())) ** power
                 s = s / s.log().mean(-1, keepdim=True).exp()
                 m = torch.diag_embed(s)
             elif full in flags:
@@ -184,18 +219,25 @@ class Explore(Q.KVRoundTrip):
         k0 = k
         if "mv" in cfg.flags:
             v = v - c["v_mean"][None, :, None, :]
-        km, kmi, vm, vmi = self.transforms(layer, cfg.flags)
+        km, kmi, vm, vmi = self.transforms(layer, cfg)
         if km is not None:
             k = torch.einsum("bhtd,hde->bhte", k, km)
         if vm is not None:
             v = torch.einsum("bhtd,hde->bhte", v, vm)
         flat = [t.transpose(1, 2).reshape(batch * tokens, heads, dim) for t in (k, v)]
-        if cfg.per_head:
-            outs = [cfg.per_head[(layer, h)].round_trip(flat[0][:, h: h + 1].contiguous(), flat[1][:, h: h + 1].contiguous())
-                    for h in range(heads)]
-            k_hat, v_hat = torch.cat([o[0] for o in outs], 1), torch.cat([o[1] for o in outs], 1)
-        else:
-            k_hat, v_hat = cfg.preset.round_trip(*flat)
+        k_hat, v_hat = cfg.preset.round_trip(*flat)
+        p = cfg.preset
+        for mode in ("raw", "proj", "ub"):
+            if "v" + mode in cfg.flags:
+                v_hat = lloyd_max_round_trip(flat[1].reshape(-1, dim), p.value_bits, p.value_wide_coords,
+                                             mode).reshape(v_hat.shape)
+            if "k" + mode in cfg.flags and not p.key_outliers:
+                k_hat = lloyd_max_round_trip(flat[0].reshape(-1, dim), p.key_bits, p.key_wide_coords,
+                                             mode).reshape(k_hat.shape)
+        if "konly" in cfg.flags:  # diagnostics: the other side exact (bf16)
+            v_hat = flat[1].to(torch.bfloat16).float()
+        if "vonly" in cfg.flags:
+            k_hat = flat[0].to(torch.bfloat16).float()
         k_hat, v_hat = [t.reshape(batch, tokens, heads, dim).transpose(1, 2) for t in (k_hat, v_hat)]
         if kmi is not None:
             k_hat = torch.einsum("bhtd,hde->bhte", k_hat, kmi)
@@ -208,6 +250,30 @@ class Explore(Q.KVRoundTrip):
             k_hat = torch.cat([k0[:, :, :n].to(torch.bfloat16).float(), k_hat[:, :, n:]], 2)
             v_hat = torch.cat([value[:, :, :n].to(torch.bfloat16).float(), v_hat[:, :, n:]], 2)
         return k_hat.to(key.dtype), v_hat.to(value.dtype)
+
+
+@torch.no_grad()
+def evaluate(model, head, chunks, label, reference=None):
+    """(ppl, tokens, mean KL(reference || this) in nats per token or None, per-window ppl); ``reference``: a
+    list to fill with each window's bf16 log-probabilities (empty) or to compare against."""
+    nll, count, kl, per_window = 0.0, 0, 0.0, []
+    start = time.time()
+    for i, chunk in enumerate(chunks):
+        hidden = model.model(chunk[None, :-1]).last_hidden_state[0].float()
+        logp = torch.log_softmax(hidden @ head.T, dim=-1)
+        w = float(-logp.gather(1, chunk[1:, None]).sum())
+        nll += w
+        per_window.append(math.exp(w / (chunk.numel() - 1)))
+        count += chunk.numel() - 1
+        if reference is not None:
+            if len(reference) <= i:
+                reference.append(logp.to(torch.bfloat16))
+            else:
+                ref = reference[i].float()
+                kl += float((ref.exp() * (ref - logp)).sum())
+        print(f"  {label}: window {i + 1}/{len(chunks)}, running ppl {math.exp(nll / count):.3f}, "
+              f"{time.time() - start:.0f} s", file=sys.stderr, flush=True)
+    return math.exp(nll / count), count, (kl / count if reference is not None else None), per_window
 
 
 def install(model) -> Explore:
@@ -246,17 +312,24 @@ def main() -> int:
     rt.finish_calibration()
     print(f"calibrated on tokens {third}..{third + args.window}", flush=True)
     base = args.base
+    reference = None
     if base is None:
         rt.cfg = None
-        base, _ = Q.perplexity(model, head, chunks, "bf16")
-        print(f"{'bf16':36s} slot 128 B  16.000 b  ppl {base:8.3f}  +0.00%", flush=True)
+        reference = []
+        base, _, _, base_windows = evaluate(model, head, chunks, "bf16", reference)
+        print(f"{'bf16':36s} slot 128 B  16.000 b  ppl {base:8.3f}  +0.00%  windows "
+              + " ".join(f"{p:.3f}" for p in base_windows), flush=True)
     for cfg in configs:
         rt.cfg = cfg
         start = time.time()
-        ppl, count = Q.perplexity(model, head, chunks, cfg.label)
+        ppl, count, kl, per_window = evaluate(model, head, chunks, cfg.label, reference)
         slot = cfg.preset.slot_bytes if cfg.preset else 128
+        extra = ""
+        if reference is not None:
+            extra = f"  KL {1000 * kl:6.2f} mnat  windows " + " ".join(
+                f"{100 * (p / b - 1):+.2f}%" for p, b in zip(per_window, base_windows))
         print(f"{cfg.label:36s} slot {slot:3d} B  {slot * 8 / (2 * HEAD_DIM):6.3f} b  ppl {ppl:8.3f}  "
-              f"{100 * (ppl / base - 1):+6.2f}%  ({count} tokens, {time.time() - start:.0f} s)", flush=True)
+              f"{100 * (ppl / base - 1):+6.2f}%{extra}  ({count} tokens, {time.time() - start:.0f} s)", flush=True)
     return 0
 
 
