@@ -9,6 +9,8 @@
 #   bash bench/h200_session.sh e2e CONFIGS [CASES] [TIMEOUT]   tqkv bench e2e (Llama-3-8B shape, dummy weights;
 #                                                E2E_PROFILE=1: torch.profiler tables as $OUT/e2e-profiles.tgz;
 #                                                more bench options in E2E_ARGS)
+#   bash bench/h200_session.sh l2                the small decode cases with the L2 warm (one block table replayed)
+#                                                and cold (the default), baselines beside: L2_CASES, L2_PRESETS
 #   bash bench/h200_session.sh full              issue 4's table: bench kernels, every case, baselines, plot
 #   bash bench/h200_session.sh tune              the stream kernel's launch knobs (block_n, warps, maxnreg, stages)
 #                                                (TUNE_PRESETS, TUNE_CASES, TUNE_VARIANTS: a JSON list)
@@ -125,6 +127,16 @@ kernels)
         --out "$OUT/h200-own-presets.json" > "$OUT/own-presets.log" 2>&1
     tail -25 "$OUT/own-presets.log"
     ;;
+l2)
+    # the measurement's own A/B: the small decode cases timed with one block table replayed (the L2 may hold a
+    # compressed cache: the figures before 2026-12-04 evening) and cycling through disjoint ones (the default)
+    for mode in warm cold; do
+        step "decode, L2 $mode: ${L2_CASES:=1x32768,1x4096,16x8192} (${L2_PRESETS:=turboquant_k8v4,tqkv_4bit_pc,turboquant_4bit_nc})"
+        timeout ${L2_TIMEOUT:-200} python3 -m tqkv_compile.bench_kernels --cases "$L2_CASES" --presets "$L2_PRESETS" \
+            --write-tokens "" $([ $mode = warm ] && echo --warm-l2) --out "$OUT/h200-l2-$mode.json" > "$OUT/l2-$mode.log" 2>&1
+        grep -E "^ *decode" "$OUT/l2-$mode.log" | tail -20
+    done
+    ;;
 full)
     # issue 4's table: every case and preset, FA3 bf16 / fp8 and vLLM's TurboQuant beside ours, and the plot
     step "bench kernels: all cases and presets with the baselines"
@@ -219,6 +231,6 @@ fa2)
         echo "JIT cache: $parts part(s) in \$OUT; carry them back as .gpu/nvcache/" >&2
     fi
     ;;
-*) echo "usage: bash bench/h200_session.sh install|agreement|kernels|variants|full|tune|prefill|e2e CONFIGS [CASES]|diagnose|fa2" >&2; exit 2 ;;
+*) echo "usage: bash bench/h200_session.sh install|l2|agreement|kernels|variants|full|tune|prefill|e2e CONFIGS [CASES]|diagnose|fa2" >&2; exit 2 ;;
 esac
 step "done"
