@@ -134,7 +134,7 @@ l2)
         step "decode, L2 $mode: ${L2_CASES:=1x32768,1x4096,16x8192} (${L2_PRESETS:=turboquant_k8v4,tqkv_4bit_pc,turboquant_4bit_nc})"
         timeout ${L2_TIMEOUT:-200} python3 -m tqkv_compile.bench_kernels --cases "$L2_CASES" --presets "$L2_PRESETS" \
             --write-tokens "" $([ $mode = warm ] && echo --warm-l2) --out "$OUT/h200-l2-$mode.json" > "$OUT/l2-$mode.log" 2>&1
-        grep -E "^ *decode" "$OUT/l2-$mode.log" | tail -20
+        grep -E "^ *decode" "$OUT/l2-$mode.log" | tail -40
     done
     ;;
 full)

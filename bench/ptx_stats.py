@@ -17,6 +17,7 @@ import math
 import os
 import re
 import subprocess
+import sys
 import tempfile
 
 import torch
@@ -103,6 +104,8 @@ def stream_kernel(preset_name: str, dim: int, block_n: int, warps: int, maxnreg:
                           Q_POST=scale / pre)
     if "MERGE" in ta._decode_stream_kernel.arg_names:
         constexprs.update(MERGE=merge)
+    elif merge:
+        print("--merge: this tree's kernel has no in-launch merge (removed after bd688d7); ignored", file=sys.stderr)
     if "GDC" in ta._decode_stream_kernel.arg_names:
         constexprs.update(GDC=pdl)
     pointers = dict(q_ptr="*bf16" if query_in_kernel else "*fp32", signs_ptr="*fp16", out_ptr="*bf16", count_ptr="*i32", cache_ptr="*u8", block_table_ptr="*i32", seq_lens_ptr="*i32", qsl_ptr="*i32",

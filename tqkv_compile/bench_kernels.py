@@ -188,7 +188,8 @@ def _decode_case(records, B, L, presets, vllm, tune, variants=None, cache_tokens
         del cache
         torch.cuda.empty_cache()
     for record in records[first:]:
-        record["l2"] = f"cold: {k} block tables" if cold_l2 else "warm: one block table replayed"
+        record["l2"] = (f"cold: {k} block tables, {k * B * L * min(token_bytes, default=0) / 1e6:.0f} MB a pass "
+                        "of the smallest cache" if cold_l2 else "warm: one block table replayed")
         if cache_tokens:
             record["cache_tokens"] = num_blocks * BS
 
