@@ -39,6 +39,7 @@ from tqkv_compile import quality as Q  # noqa: E402
 from tqkv_compile import lloyd_max  # noqa: E402
 from tqkv_compile.codec import Preset, PresetSpec  # noqa: E402
 from tqkv_compile.rotation import hadamard  # noqa: E402
+from quality_offsets import calibrate  # noqa: E402
 
 HEAD_DIM = 64
 
@@ -276,21 +277,6 @@ def evaluate(model, head, chunks, label, reference=None):
     return math.exp(nll / count), count, (kl / count if reference is not None else None), per_window
 
 
-def install(model) -> Explore:
-    from transformers import AttentionInterface
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    rt = Explore(model)
-
-    def attention(module, query, key, value, attention_mask, **kwargs):
-        key, value = rt(module.layer_idx, key, value, query)
-        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-
-    AttentionInterface.register("tqkv_explore", attention)
-    model.set_attn_implementation("tqkv_explore")
-    return rt
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--configs", required=True, help="comma-separated configurations (bf16 first is implied)")
@@ -303,14 +289,10 @@ def main() -> int:
     model, tokenizer = Q.load_model()
     tokens = Q.load_tokens(tokenizer, Path.home() / ".cache" / "tqkv")
     head = Q.fp32_head(model)
-    rt = install(model)
+    rt = Q.install_round_trip(model, Explore(model))
     chunks = Q.windows(tokens, math.ceil(args.tokens / args.window), args.window)
-    third = tokens.numel() // 3
-    rt.calibrate = True
-    with torch.no_grad():
-        model.model(tokens[third: third + args.window][None])
-    rt.finish_calibration()
-    print(f"calibrated on tokens {third}..{third + args.window}", flush=True)
+    first, last = calibrate(model, rt, tokens, args.window)
+    print(f"calibrated on tokens {first}..{last}", flush=True)
     base = args.base
     reference = None
     if base is None:

@@ -42,7 +42,7 @@ class OffsetRoundTrip(Q.KVRoundTrip):
         self.counts: dict[int, int] = {}
         self.means: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def __call__(self, layer: int, key: torch.Tensor, value: torch.Tensor):
+    def __call__(self, layer: int, key: torch.Tensor, value: torch.Tensor, query: torch.Tensor | None = None):
         if self.calibrate:
             k, v = key.float().sum(dim=(0, 2)), value.float().sum(dim=(0, 2))  # [Hk, D]
             if layer in self.sums:
@@ -70,19 +70,15 @@ class OffsetRoundTrip(Q.KVRoundTrip):
         self.means = {layer: (s[0] / self.counts[layer], s[1] / self.counts[layer]) for layer, s in self.sums.items()}
 
 
-def install(model) -> OffsetRoundTrip:
-    from transformers import AttentionInterface
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    round_trip = OffsetRoundTrip(model.config.num_hidden_layers)
-
-    def attention(module, query, key, value, attention_mask, **kwargs):
-        key, value = round_trip(module.layer_idx, key, value)
-        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-
-    AttentionInterface.register("tqkv_offsets", attention)
-    model.set_attn_implementation("tqkv_offsets")
-    return round_trip
+def calibrate(model, round_trip, tokens: torch.Tensor, window: int) -> tuple[int, int]:
+    """Runs the window a third into the corpus (no evaluated window overlaps it) through ``model`` with
+    ``round_trip`` in calibration mode, then lets it compute its constants; returns the window's span."""
+    third = tokens.numel() // 3
+    round_trip.calibrate = True
+    with torch.no_grad():
+        model.model(tokens[third: third + window][None])
+    round_trip.finish_calibration()
+    return third, third + window
 
 
 def main() -> int:
@@ -94,15 +90,11 @@ def main() -> int:
     model, tokenizer = Q.load_model()
     tokens = Q.load_tokens(tokenizer, Path.home() / ".cache" / "tqkv")
     head = Q.fp32_head(model)
-    rt = install(model)
+    rt = Q.install_round_trip(model, OffsetRoundTrip(model.config.num_hidden_layers))
     chunks = Q.windows(tokens, math.ceil(args.tokens / args.window), args.window)
-    third = tokens.numel() // 3
-    rt.row, rt.calibrate = "bf16", True
-    with torch.no_grad():
-        model.model(tokens[third: third + args.window][None])
-    rt.finish_calibration()
+    first, last = calibrate(model, rt, tokens, args.window)
     norms = [float(mu_k.norm(dim=-1).mean()) for mu_k, _ in rt.means.values()]
-    print(f"calibrated on tokens {third}..{third + args.window}; the mean key's norm per layer (average over "
+    print(f"calibrated on tokens {first}..{last}; the mean key's norm per layer (average over "
           "heads): " + " ".join(f"{n:.1f}" for n in norms), flush=True)
     rows = [("bf16", None, False, False)]
     for name, spec in SPECS.items():

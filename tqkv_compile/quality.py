@@ -164,8 +164,9 @@ class KVRoundTrip:
     def compressed(self, layer: int) -> bool:
         return BOUNDARY_LAYERS <= layer < self.num_layers - BOUNDARY_LAYERS
 
-    def __call__(self, layer: int, key: torch.Tensor, value: torch.Tensor):
-        """key, value [B, Hk, T, D] (after RoPE) -> the same, as read from the cache."""
+    def __call__(self, layer: int, key: torch.Tensor, value: torch.Tensor, query: torch.Tensor | None = None):
+        """key, value [B, Hk, T, D] (after RoPE) -> the same, as read from the cache. ``query`` (the layer's, [B,
+        Hq, T, D]): not used here; round trips that calibrate on it (bench/quality_explore.py) read it."""
         if self.row == "fp8":
             return tuple(t.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).to(t.dtype) for t in (key, value))
         if self.row == "bf16" or not self.compressed(layer):
@@ -178,15 +179,16 @@ class KVRoundTrip:
         return back[0], back[1]
 
 
-def install_round_trip(model) -> KVRoundTrip:
-    """Route the model's attention through a KVRoundTrip before SDPA."""
+def install_round_trip(model, round_trip: KVRoundTrip | None = None) -> KVRoundTrip:
+    """Route the model's attention through ``round_trip`` (default: a KVRoundTrip) before SDPA."""
     from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    round_trip = KVRoundTrip(model.config.num_hidden_layers)
+    if round_trip is None:
+        round_trip = KVRoundTrip(model.config.num_hidden_layers)
 
     def attention(module, query, key, value, attention_mask, **kwargs):
-        key, value = round_trip(module.layer_idx, key, value)
+        key, value = round_trip(module.layer_idx, key, value, query)
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
     AttentionInterface.register(ATTENTION_NAME, attention)
