@@ -124,7 +124,8 @@ def main() -> int:
     parser.add_argument("--warps", type=int, default=4)
     parser.add_argument("--maxnreg", type=int, default=None, help="default: the launcher's (168 / 128)")
     parser.add_argument("--prefetch", action="store_true")
-    parser.add_argument("--merge", action="store_true", help="the splits merged in the launch (trees up to bd688d7, whose kernel had it)")
+    parser.add_argument("--merge", action="store_true",
+                        help="the splits merged in the launch (trees up to bd688d7, whose kernel had it)")
     parser.add_argument("--pdl", action="store_true", help="the dependent-launch waits in (TQKV_PDL=1)")
     parser.add_argument("--splits", type=int, default=2, help="NUM_SPLITS")
     parser.add_argument("--query-in-kernel", choices=("auto", "yes", "no"), default="auto",

@@ -1025,7 +1025,8 @@ def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: t
         lut = lut if lut is not None else key_lut(preset, query.device)
         launch(_decode_stream_kernel)[(rows, kv_heads, splits)](
             q, signs, kv_cache, block_table, seq_lens, query_start_loc, centroids, lut, part_out, part_lse,
-            num_seqs, max_len, *q.stride(), *block_table.stride(), *(st // 2 for st in kv_cache.stride()[:3]),
+            num_seqs, max_len, *q.stride(), *block_table.stride(),
+            *(st // 2 for st in kv_cache.stride()[:3]),
             GROUP=common["GROUP"], BLOCK_H=common["BLOCK_H"], D=dim, BLOCK_SIZE=kv_cache.shape[1], BLOCK_N=block_n,
             NUM_SPLITS=splits, SEARCH_STEPS=common["SEARCH_STEPS"], KEY_FP8=preset.key_fp8,
             KEY_CODE_BYTES=preset.key_code_bytes, NORM_CORRECTION=preset.norm_correction,

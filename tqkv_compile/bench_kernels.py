@@ -102,9 +102,11 @@ def _decode_case(records, B, L, presets, vllm, tune, variants=None, cache_tokens
     token_bytes = [HK * tqkv_compile.get_preset(name, D).slot_bytes for name in presets]
     if vllm is not None:
         token_bytes.append(2 * HK * D)  # FA3 fp8's cache
-    k = rotations(B * L * min(token_bytes, default=0), torch.cuda.get_device_properties(0).L2_cache_size, cold_l2)
-    num_blocks = max(k * B * nb, cache_tokens // BS)
-    tables = torch.randperm(num_blocks, device=dev)[: k * B * nb].to(torch.int32).view(k, B, nb).unbind(0)
+    smallest = B * L * min(token_bytes, default=0)  # bytes one call reads of the most compressed cache
+    n_tables = rotations(smallest, torch.cuda.get_device_properties(0).L2_cache_size, cold_l2)
+    num_blocks = max(n_tables * B * nb, cache_tokens // BS)
+    tables = torch.randperm(num_blocks, device=dev)[: n_tables * B * nb].to(torch.int32).view(n_tables, B, nb)
+    tables = tables.unbind(0)
     first = len(records)
     seq_lens = torch.full((B,), L, dtype=torch.int32, device=dev)
     qsl = torch.arange(B + 1, dtype=torch.int32, device=dev)
@@ -153,8 +155,8 @@ def _decode_case(records, B, L, presets, vllm, tune, variants=None, cache_tokens
             call = lambda kw, bt: backend.decode_kernels(q, cache, bt, seq_lens, qsl, scale, p)  # noqa: E731
         else:
             rotation, centroids, _ = backend.tables(p, torch.device(dev))
-            call = lambda kw, bt: decode_attention(q, cache, bt, seq_lens, qsl, scale, p, rotation, centroids,  # noqa: E731
-                                                   **kw)
+            call = lambda kw, bt: decode_attention(  # noqa: E731
+                q, cache, bt, seq_lens, qsl, scale, p, rotation, centroids, **kw)
             if tune:
                 variants = tune_variants or [dict(block_n=bn, num_warps=w, num_stages=s, kernel=k)
                                              for bn in (32, 64, 128) for w in (4, 8) for s in (2, 3)
@@ -188,8 +190,8 @@ def _decode_case(records, B, L, presets, vllm, tune, variants=None, cache_tokens
         del cache
         torch.cuda.empty_cache()
     for record in records[first:]:
-        record["l2"] = (f"cold: {k} block tables, {k * B * L * min(token_bytes, default=0) / 1e6:.0f} MB a pass "
-                        "of the smallest cache" if cold_l2 else "warm: one block table replayed")
+        record["l2"] = (f"cold: {n_tables} block tables, {n_tables * smallest / 1e6:.0f} MB a pass of the smallest "
+                        "cache" if cold_l2 else "warm: one block table replayed")
         if cache_tokens:
             record["cache_tokens"] = num_blocks * BS
 
