@@ -26,10 +26,10 @@ def main() -> None:
     for r in records:
         if "meta" in r or r.get("impl") != "tqkv":
             continue
-        key = (r["op"], r["preset"], r["B"], r["L"])
-        times[r["variant"].removesuffix("-again")][key].append(r.get("us", math.inf))  # an error: infinitely slow
+        variant = r["variant"].removesuffix("-again")
+        times[variant][(r["op"], r["preset"], r["B"], r["L"])].append(r.get("us", math.inf))  # error: infinitely slow
         if r["op"] == "decode":
-            l2[r["variant"].removesuffix("-again")].add(r.get("l2", "warm: one block table replayed").split(":")[0])
+            l2[variant].add(r.get("l2", "warm: one block table replayed").split(":")[0])
     names = sorted(times)
     if not names:
         sys.exit("no tqkv timings in " + args.variants_json)
