@@ -10,7 +10,8 @@
 #                                                E2E_PROFILE=1: torch.profiler tables as $OUT/e2e-profiles.tgz;
 #                                                more bench options in E2E_ARGS)
 #   bash bench/h200_session.sh l2                the small decode cases with the L2 warm (one block table replayed)
-#                                                and cold (the default), baselines beside: L2_CASES, L2_PRESETS
+#                                                and cold (the default), baselines beside: L2_CASES, L2_PRESETS,
+#                                                L2_MODES ("warm cold"; "warm" where a `full` run gives the cold ones)
 #   bash bench/h200_session.sh full              issue 4's table: bench kernels, every case, baselines, plot
 #   bash bench/h200_session.sh tune              the stream kernel's launch knobs (block_n, warps, maxnreg, stages)
 #                                                (TUNE_PRESETS, TUNE_CASES, TUNE_VARIANTS: a JSON list)
@@ -130,7 +131,7 @@ kernels)
 l2)
     # the measurement's own A/B: the small decode cases timed with one block table replayed (the L2 may hold a
     # compressed cache: the figures before 2026-12-04 evening) and cycling through disjoint ones (the default)
-    for mode in warm cold; do
+    for mode in ${L2_MODES:-warm cold}; do
         step "decode, L2 $mode: ${L2_CASES:=1x32768,1x4096,16x8192} (${L2_PRESETS:=turboquant_k8v4,tqkv_4bit_pc,turboquant_4bit_nc})"
         timeout ${L2_TIMEOUT:-200} python3 -m tqkv_compile.bench_kernels --cases "$L2_CASES" --presets "$L2_PRESETS" \
             --write-tokens "" $([ $mode = warm ] && echo --warm-l2) --out "$OUT/h200-l2-$mode.json" > "$OUT/l2-$mode.log" 2>&1
