@@ -193,8 +193,7 @@ def _split_span(row, kv_head, split, qsl_ptr, seq_lens_ptr, num_seqs, max_len, G
                 BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, SEARCH_STEPS: tl.constexpr):
     """One split program's work: (seq, begin, end, q_heads [BLOCK_H], part [BLOCK_H], head_ok [BLOCK_H]) —
     its sequence, the positions [begin, end) of its split (whole tiles), its query heads and their rows in
-    the partial outputs. Callers store -inf partials (and, merging in their launch, arrive) and return when
-    begin >= end. The context is clamped to
+    the partial outputs. Callers store -inf partials and return when begin >= end. The context is clamped to
     ``max_len`` (the block table's width in positions): a sequence length the host did not check (CUDA-graph
     replay, TQKV_CHECK_VALUES=0) cannot make the tile loop run past the table, or for ever."""
     seq, length = _row_context(row, qsl_ptr, seq_lens_ptr, num_seqs, SEARCH_STEPS)
@@ -760,21 +759,34 @@ def key_column_order(preset: Preset, dim: int) -> torch.Tensor:
 @triton.jit
 def _merge_kernel(part_out_ptr, part_lse_ptr, out_ptr, s_ot, s_oh, s_od,
                   NUM_HEADS: tl.constexpr, D: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr,
-                  GDC: tl.constexpr = False):
+                  CHUNK: tl.constexpr, GDC: tl.constexpr = False):
+    """One (row, head): the splits' partial outputs weighted by their log-sum-exps. The partials are read in
+    chunks of ``CHUNK`` splits (:func:`merge_chunk`: at most 64, a [64, D] fp32 tile), so that a launch of more splits (a small grid: one
+    sequence, few kv heads) does not hold them all in registers."""
     wait_and_release(GDC)
     row = tl.program_id(0)
     head = tl.program_id(1)
+    base = (row * NUM_HEADS + head) * NUM_SPLITS
     s = tl.arange(0, SPLITS_P2)
+    top = tl.max(tl.load(part_lse_ptr + base + s, mask=s < NUM_SPLITS, other=float("-inf")), axis=0)
     d = tl.arange(0, D)
-    part = (row * NUM_HEADS + head) * NUM_SPLITS + s
-    lse = tl.load(part_lse_ptr + part, mask=s < NUM_SPLITS, other=float("-inf"))
-    top = tl.max(lse, axis=0)
-    live = lse > float("-inf")
-    weight = tl.where(live, tl.exp2(lse - top), 0.0)
-    parts = tl.load(part_out_ptr + part[:, None] * D + d[None, :], mask=live[:, None], other=0.0)
-    total = tl.sum(weight, axis=0)
-    out = tl.sum(parts * weight[:, None], axis=0) / tl.where(total > 0, total, 1.0)
+    acc = tl.zeros([D], dtype=tl.float32)
+    total = 0.0
+    for first in tl.static_range(0, SPLITS_P2, CHUNK):
+        c = first + tl.arange(0, CHUNK)
+        lse = tl.load(part_lse_ptr + base + c, mask=c < NUM_SPLITS, other=float("-inf"))
+        live = lse > float("-inf")
+        weight = tl.where(live, tl.exp2(lse - top), 0.0)
+        parts = tl.load(part_out_ptr + (base + c)[:, None] * D + d[None, :], mask=live[:, None], other=0.0)
+        total += tl.sum(weight, axis=0)
+        acc += tl.sum(parts * weight[:, None], axis=0)
+    out = acc / tl.where(total > 0, total, 1.0)
     tl.store(out_ptr + row * s_ot + head * s_oh + d * s_od, out.to(out_ptr.dtype.element_ty))
+
+
+def merge_chunk(splits: int) -> int:
+    """The merge kernel's chunk: the splits' power of two, at most 64."""
+    return min(triton.next_power_of_2(splits), 64)
 
 
 _SM_COUNT: dict[int, int] = {}
@@ -798,8 +810,12 @@ def num_splits(rows: int, kv_heads: int, max_len: int, device: torch.device, blo
     program + 2), waves = ceil(programs / resident slots). It fits the H200's split sweep
     (``h200-tune.json``, 2026-12-04): 4bit_nc 1x32768 58.9 us at 48 splits against 66.7 at 64 (two waves of
     512 programs on 396 slots), k8v4 16x8192 132.8 at 4 against 163.9 at 5. Never more splits than fill the
-    GPU ~4 times (the earlier rule's count). Without ``programs_per_sm`` (the word and byte kernels, the
-    interpreter): that count, each split >= 4 tiles."""
+    GPU ~4 times (the earlier rule's count), nor 128. Among counts the model rates equal, the largest: the
+    tiles the model counts are the table's width, and a real length a little past a multiple of the split
+    count (an engine's decode at 32769 positions and on: 513 tiles) costs a whole tile more a program at the
+    smaller count (k8v4 1 x 32768 in the engine: 64 splits of 9 tiles where 66 hold 8; the profile of
+    2026-12-04 17:02, ``h200-vllm020-notes.md``). Without ``programs_per_sm`` (the word and byte kernels, the
+    interpreter): ~4 programs an SM, each split >= 4 tiles, at most 64."""
     pairs = max(rows * kv_heads, 1)
     wanted = triton.cdiv(4 * _sm_count(device), pairs)  # ~4 programs an SM
     if programs_per_sm is None:
@@ -807,13 +823,13 @@ def num_splits(rows: int, kv_heads: int, max_len: int, device: torch.device, blo
     slots = programs_per_sm * _sm_count(device)
     tiles = max(1, triton.cdiv(max_len, block_n))
     # never above that count: max_len is the block table's width (an engine's max_model_len), often far above
-    # the batch's real lengths, and the count must not grow with it
-    most = min(tiles, 64, wanted)
+    # the batch's real lengths, and the count must not grow with it (128: the merge reads 64 splits a chunk)
+    most = min(tiles, wanted, 128)
 
     def cost(splits: int) -> int:
         return triton.cdiv(pairs * splits, slots) * (triton.cdiv(tiles, splits) + 2)
 
-    return min(range(1, most + 1), key=lambda s: (cost(s), s))
+    return min(range(1, most + 1), key=lambda s: (cost(s), -s))
 
 
 def programs_per_sm(maxnreg: int, num_warps: int) -> int:
@@ -956,7 +972,8 @@ def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: t
                      prefetch: bool = False, nc_dot: bool | None = None, asm: bool = True,
                      maxnreg: int | None = None, lut: torch.Tensor | None = None,
                      index32: bool | None = None, signs: torch.Tensor | None = None,
-                     query_in_kernel: bool | None = None, launch=None) -> torch.Tensor:
+                     query_in_kernel: bool | None = None, launch=None,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
     """query [T, Hq, D] -> out [T, Hq, D] (query dtype); see the module docstring and ops.attention.
     ``kernel``: "stream", "words" or "bytes" (default: :func:`default_kernel`); the other keywords are tuning
     knobs (the H200 sweep's best by default). ``lut``: the stream kernel's key lookup table (default:
@@ -966,14 +983,18 @@ def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: t
     rotates and scales the query itself (default: for fp8 keys, whose query is only scaled, with fp16 / bf16
     queries and interpreted; False: a :func:`prepare_query` launch first). ``launch``: wraps
     each kernel before its launch (``torch.library.wrap_triton`` when traced for Inductor, see
-    :mod:`tqkv_compile.lowerings.inductor_ops`)."""
+    :mod:`tqkv_compile.lowerings.inductor_ops`). ``out``: where the merge stores the answer (the query's shape
+    and dtype, any strides; default a new tensor)."""
     require_vllm_layout(preset)
     if launch is None:
         launch = _plain_launch
     rows, heads, dim = query.shape
     kv_heads = kv_cache.shape[2]
     group = heads // kv_heads
-    out = torch.empty_like(query)
+    if out is None:
+        out = torch.empty_like(query)
+    elif out.shape != query.shape or out.dtype != query.dtype:
+        raise ValueError(f"out: expected {tuple(query.shape)} {query.dtype}, got {tuple(out.shape)} {out.dtype}")
     if rows == 0:
         return out
     interpret = query.device.type == "cpu"
@@ -1059,7 +1080,7 @@ def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: t
         )
     launch(_merge_kernel)[(rows, heads)](
         part_out, part_lse, out, *out.stride(),
-        NUM_HEADS=heads, D=dim, NUM_SPLITS=splits, SPLITS_P2=triton.next_power_of_2(splits),
+        NUM_HEADS=heads, D=dim, NUM_SPLITS=splits, SPLITS_P2=triton.next_power_of_2(splits), CHUNK=merge_chunk(splits),
         **pdl,
     )
     return out

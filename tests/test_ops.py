@@ -71,6 +71,34 @@ def test_whole_prompts_given_the_steps_keys_attend_them_as_they_are(name):
     assert (out[rows] - codec[rows]).abs().max() > 1e-3
 
 
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+@pytest.mark.parametrize("new", [(1, 1, 1), (1, 4, 2)], ids=["decode", "mixed"])
+def test_attention_into_writes_the_ops_answer_into_a_given_buffer(backend, new):
+    """``ops.attention_into`` (vLLM's layers: the answer straight into vLLM's output buffer) stores what the op
+    returns into a view of a larger buffer, padding rows zero, and touches nothing past the view; a buffer
+    of another shape or dtype is refused. A backend registered without ``out`` gets a copy."""
+    from tqkv_compile import ops
+
+    s = build("turboquant_k8v4", lens=(5, 17, 9), new=new, group=2, dtype=torch.float16, seed=4)
+    args = (s.query, s.kv_cache, s.block_table, s.seq_lens, s.query_start_loc, SCALE, s.preset)
+    with tqkv_compile.use_backend(backend):
+        expected = torch.ops.tqkv.attention(*args)
+        buffer = torch.full((s.query.shape[0] + 3, *s.query.shape[1:]), 7.0, dtype=s.query.dtype)
+        view = buffer[: s.query.shape[0]]
+        view.fill_(float("nan"))
+        assert ops.attention_into(view, *args) is view
+        with pytest.raises(ValueError, match="out"):
+            ops.attention_into(buffer, *args)
+        with pytest.raises(ValueError, match="out"):
+            ops.attention_into(view.float(), *args)
+    torch.testing.assert_close(view, expected, atol=0, rtol=0)
+    assert bool((buffer[s.query.shape[0]:] == 7.0).all())
+    tqkv_compile.register_backend(ScaledReference(), priority=-5)
+    with tqkv_compile.use_backend("scaled_test_backend"):
+        ops.attention_into(view, *args)
+    torch.testing.assert_close(view, torch.ops.tqkv.attention(*args) * 1.5)
+
+
 def test_step_keys_are_not_looked_at_in_a_pure_decode_batch():
     """One new token per sequence (a one-token prompt among them): the cache is read, with or without them."""
     s = build("turboquant_4bit_nc", lens=(1, 9), new=(1, 1), dtype=torch.float32)

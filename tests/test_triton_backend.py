@@ -423,13 +423,26 @@ def test_split_kv_merge_handles_empty_splits():
     torch.testing.assert_close(out.float(), expected.float(), **_tolerance(torch.float16))
 
 
-def test_stream_kernel_with_more_splits_than_tiles():
-    """The split counts the wave model picks at one sequence (up to 64) leave most splits of a short
-    sequence empty and others a single partial tile."""
+@pytest.mark.parametrize("splits", [47, 128])
+def test_stream_kernel_with_more_splits_than_tiles(splits):
+    """The split counts the wave model picks at one sequence (up to 128) leave most splits of a short
+    sequence empty and others a single partial tile; past 64 the merge reads the splits in two chunks."""
     preset = get_preset("turboquant_4bit_nc", 64)
     out, expected = _attention_both(preset, 4, torch.float16, [1, 1, 2], [37, 5, 70], seed=5, fill=0xFF,
-                                    kernel="stream", block_n=16, splits=47)
+                                    kernel="stream", block_n=16, splits=splits)
     assert not out.isnan().any()
+    torch.testing.assert_close(out.float(), expected.float(), **_tolerance(torch.float16))
+
+
+def test_merge_reads_every_chunk_of_splits():
+    """More splits than one merge chunk (64), each holding a part of the context: an answer that dropped a
+    chunk, or weighted one with another chunk's maximum, would miss the reference."""
+    from tqkv_compile.lowerings.triton_attention import merge_chunk
+
+    assert (merge_chunk(7), merge_chunk(64), merge_chunk(66), merge_chunk(128)) == (8, 64, 64, 64)
+    preset = get_preset("turboquant_k8v4", 64)
+    out, expected = _attention_both(preset, 4, torch.float16, [1], [16 * 100], seed=9, kernel="stream",
+                                    block_n=16, splits=100)
     torch.testing.assert_close(out.float(), expected.float(), **_tolerance(torch.float16))
 
 
@@ -486,10 +499,17 @@ def test_split_count_follows_the_wave_model(monkeypatch):
     splits = ta.num_splits(1, 8, 32768, cuda, 64, 3)
     assert 8 * splits <= 396 and splits >= 40
     assert ta.num_splits(16, 8, 8192, cuda, 128, 4) == 4  # 512 programs on 528 slots, not 640 (measured 1.23x)
-    assert ta.num_splits(1, 8, 4096, cuda, 64, 3) == 32  # every split 2 tiles, one wave
-    for rows, length in [(1, 100), (3, 16), (64, 4096), (512, 32768)]:  # never more splits than tiles, nor 64
-        assert 1 <= ta.num_splits(rows, 8, length, cuda, 64, 3) <= min(64, -(-length // 64))
-    assert ta.num_splits(1, 1, 1 << 20, cuda, 64, 3) == 64  # one kv head (a tensor-parallel rank's share)
+    # every split 2 tiles, one wave: the largest such count (49, not 32), so that a length past the table's
+    # 64 tiles still takes 2 tiles a split
+    assert ta.num_splits(1, 8, 4096, cuda, 64, 3) == 49
+    # k8v4 (4 programs an SM) in an engine at 1 x 32768 (a table of 32912 positions: 515 tiles): 66 splits
+    # of 8 tiles, one wave of 528 programs, not 64 of 9 (the profile of 2026-12-04)
+    assert ta.num_splits(1, 8, 32912, cuda, 64, 4) == 66
+    assert ta.num_splits(1, 8, 32768, cuda, 64, 4) == 66  # 8 tiles either way: the largest
+    for rows, length in [(1, 100), (3, 16), (64, 4096), (512, 32768)]:  # never more splits than tiles, nor 128
+        assert 1 <= ta.num_splits(rows, 8, length, cuda, 64, 3) <= min(128, -(-length // 64))
+    # one kv head (a tensor-parallel rank's share): 128 programs on 132 SMs rather than 64
+    assert ta.num_splits(1, 1, 1 << 20, cuda, 64, 3) == 128
     # the table's width (an engine's max_model_len) may be far above the real lengths: the count stays where
     # ~4 programs an SM are launched, however wide the table
     for rows in (1, 4, 16, 64):

@@ -300,7 +300,8 @@ def check(presets: list[str], dims: list[int]) -> int:
     """Triton backend vs the reference on this GPU: kv_write bytes, attention and kv_dot, every preset and
     head size, GQA groups 1/3/4, bf16 and fp16, decode and mixed batches, a strided cache view; and for every
     preset and head size a prefill batch (a whole prompt and a continuation chunk beside a decode: the dense
-    path, FlashAttention where vLLM brings it), bf16 and fp16 in turn."""
+    path, FlashAttention where vLLM brings it), bf16 and fp16 in turn; and for every preset one sequence of 8200
+    positions alone (the most splits the launcher picks, past one merge chunk of 64 for k8v4)."""
     import tqkv_compile
 
     torch.manual_seed(0)
@@ -312,7 +313,8 @@ def check(presets: list[str], dims: list[int]) -> int:
         for j, dim in enumerate(dims):  # (i + j): every head size meets every config and dtype across presets
             p = tqkv_compile.get_preset(name, dim)
             prefill = (4, (torch.bfloat16, torch.float16)[(i + j) % 2], [1, 300, 200], [50, 300, 700])
-            for config in (configs[(i + j) % len(configs)], prefill):
+            alone = [(4, torch.bfloat16, [1], [8200])] if j == 0 else []
+            for config in (configs[(i + j) % len(configs)], prefill, *alone):
                 ok, rel = _check_case(p, *config)
                 failures += not ok
                 worst = max(worst, rel)

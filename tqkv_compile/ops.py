@@ -198,10 +198,32 @@ def attention(
     attends them as they are instead of reading its slots back through the codec, as vLLM's TurboQuant does
     for a first chunk. Not looked at (the cache is read) in a batch with no more query rows
     (``query_start_loc[-1]``) than sequences (pure decode) nor inside CUDA-graph capture."""
+    return _attention(query, kv_cache, block_table, seq_lens, query_start_loc, scale, preset, key, value)
+
+
+def attention_into(out: torch.Tensor, query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+                   seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float, preset: str,
+                   key: torch.Tensor | None = None, value: torch.Tensor | None = None) -> torch.Tensor:
+    """``tqkv::attention`` written into ``out`` (the query's shape and dtype; any strides), for callers that
+    own the output buffer already (vLLM's attention layers: see ``vllm/serving.attend``): the Triton backend's
+    decode kernels store there directly, which saves a copy kernel a layer and step. A plain function, not an
+    op: its callers run inside vLLM's own opaque ops; traced graphs use ``tqkv::attention``. Returns ``out``."""
+    if out.shape != query.shape or out.dtype != query.dtype or out.device != query.device:
+        raise ValueError(f"out: expected {tuple(query.shape)} {query.dtype} on {query.device} (the query's), "
+                         f"got {tuple(out.shape)} {out.dtype} on {out.device}")
+    return _attention(query, kv_cache, block_table, seq_lens, query_start_loc, scale, preset, key, value, out=out)
+
+
+def _attention(query, kv_cache, block_table, seq_lens, query_start_loc, scale, preset, key, value, out=None):
     p = check_attention(query, kv_cache, block_table, seq_lens, query_start_loc, preset, key, value)
     own = {} if key is None else dict(key=key, value=value)
     backend = backends.select_backend(query.device, p)
-    out = backend.attention(query, kv_cache, block_table, seq_lens, query_start_loc, scale, p, **own)
+    if out is None:
+        out = backend.attention(query, kv_cache, block_table, seq_lens, query_start_loc, scale, p, **own)
+    elif backends.takes_out(backend):
+        out = backend.attention(query, kv_cache, block_table, seq_lens, query_start_loc, scale, p, **own, out=out)
+    else:  # a backend registered without ``out``
+        out.copy_(backend.attention(query, kv_cache, block_table, seq_lens, query_start_loc, scale, p, **own))
     if backends.validate_enabled() and backend.name != "reference":
         expected = backends.get_backend("reference").attention(
             query, kv_cache, block_table, seq_lens, query_start_loc, scale, p, **own

@@ -15,6 +15,7 @@ every call and records the largest difference (:func:`validation_reports`).
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 import os
 from dataclasses import dataclass
@@ -33,7 +34,10 @@ class MemoryBackend(Protocol):
     def kv_write(self, key, value, kv_cache, slot_mapping, preset) -> None: ...
 
     def attention(self, query, kv_cache, block_table, seq_lens, query_start_loc, scale, preset, key=None,
-                  value=None) -> torch.Tensor: ...
+                  value=None, out=None) -> torch.Tensor:
+        """The attention [T, Hq, D], in ``out`` where given (the query's shape and dtype), else a new tensor;
+        rows past ``query_start_loc[-1]`` are zero."""
+        ...
 
     def kv_dot(self, query, kv_cache, block_table, seq_lens, scale, preset) -> torch.Tensor: ...
 
@@ -51,6 +55,14 @@ class ValidationReport:
 
 
 _reports: list[ValidationReport] = []
+
+
+def takes_out(backend: MemoryBackend) -> bool:
+    """Whether ``backend.attention`` takes ``out`` (the built-in backends do; a third-party one may not)."""
+    try:
+        return "out" in inspect.signature(backend.attention).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 def register_backend(backend: MemoryBackend, priority: int = 0) -> None:

@@ -53,10 +53,10 @@ class ReferenceBackend:
         kv_cache[slots // block_size, slots % block_size] = encoded
 
     def attention(self, query, kv_cache, block_table, seq_lens, query_start_loc, scale, preset: Preset, key=None,
-                  value=None):
+                  value=None, out=None):
         """Every sequence through the codec, except, given the step's ``key`` and ``value``, whole prompts in a
         batch with more query rows (``query_start_loc[-1]``) than sequences: they attend those rows as they are."""
-        out = torch.zeros_like(query)
+        out = torch.zeros_like(query) if out is None else out.zero_()
         kv_heads = kv_cache.shape[2]
         group = query.shape[1] // kv_heads
         starts = query_start_loc.tolist()

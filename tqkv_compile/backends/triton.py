@@ -113,14 +113,17 @@ class TritonBackend:
         kv_write(key, value, kv_cache, slot_mapping, preset, rotation, midpoints, centroids=centroids)
 
     def attention(self, query, kv_cache, block_table, seq_lens, query_start_loc, scale, preset: Preset, key=None,
-                  value=None):
+                  value=None, out=None):
         """The decode kernels for every sequence, except whole prompts (given the step's ``key`` and ``value``)
-        and those with many new tokens, which get the prefill paths (:mod:`tqkv_compile.backends.prefill`)."""
+        and those with many new tokens, which get the prefill paths (:mod:`tqkv_compile.backends.prefill`).
+        ``out``: where to write (a pure decode batch: the merge kernel stores there)."""
         planned = prefill.plan(query_start_loc, seq_lens, query.shape[0], whole_prompts=key is not None)
         if planned is None:
-            return self.decode_kernels(query, kv_cache, block_table, seq_lens, query_start_loc, scale, preset)
+            return self.decode_kernels(query, kv_cache, block_table, seq_lens, query_start_loc, scale, preset,
+                                       out=out)
         starts, lengths, dense, whole = planned
-        out = torch.zeros_like(query)  # rows past query_start_loc[-1] (padding) stay zero, as the reference's
+        # rows past query_start_loc[-1] (padding) stay zero, as the reference's
+        out = torch.zeros_like(query) if out is None else out.zero_()
         short = sorted(set(range(seq_lens.shape[0])) - set(dense) - set(whole))
         if short:
             if short == list(range(len(short))):  # vLLM's order: decodes first, so usually a plain prefix
@@ -157,21 +160,23 @@ class TritonBackend:
             return triton_general.decode_slots(kv_cache, slots, preset, rotation, centroids, offsets, dtype)
         return prefill.codec_decode(kv_cache, slots, preset, dtype)
 
-    def decode_kernels(self, query, kv_cache, block_table, seq_lens, query_start_loc, scale, preset: Preset):
+    def decode_kernels(self, query, kv_cache, block_table, seq_lens, query_start_loc, scale, preset: Preset,
+                       out=None):
         """The decode kernels alone for every row (no prefill plan): vLLM's presets on
-        :mod:`~tqkv_compile.lowerings.triton_attention`'s, ours on :mod:`~tqkv_compile.lowerings.triton_general`'s
-        (what ``tqkv bench kernels`` times)."""
+        :mod:`~tqkv_compile.lowerings.triton_attention`'s (their merge stores into ``out`` where given), ours on
+        :mod:`~tqkv_compile.lowerings.triton_general`'s (what ``tqkv bench kernels`` times)."""
         if not preset.vllm_layout:
             from tqkv_compile.lowerings import triton_general
 
             rotation, centroids, _, offsets = self.general_tables(preset, query.device)
-            return triton_general.decode_attention(query, kv_cache, block_table, seq_lens, query_start_loc, scale,
-                                                   preset, rotation, centroids, offsets)
+            result = triton_general.decode_attention(query, kv_cache, block_table, seq_lens, query_start_loc,
+                                                     scale, preset, rotation, centroids, offsets)
+            return result if out is None else out.copy_(result)
         from tqkv_compile.lowerings.triton_attention import decode_attention
 
         rotation, centroids, _ = self.tables(preset, query.device)
         return decode_attention(query, kv_cache, block_table, seq_lens, query_start_loc, scale, preset,
-                                rotation, centroids)
+                                rotation, centroids, out=out)
 
     def kv_dot(self, query, kv_cache, block_table, seq_lens, scale, preset: Preset):
         if not preset.vllm_layout:
