@@ -761,8 +761,8 @@ def _merge_kernel(part_out_ptr, part_lse_ptr, out_ptr, s_ot, s_oh, s_od,
                   NUM_HEADS: tl.constexpr, D: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr,
                   CHUNK: tl.constexpr, GDC: tl.constexpr = False):
     """One (row, head): the splits' partial outputs weighted by their log-sum-exps. The partials are read in
-    chunks of ``CHUNK`` splits (:func:`merge_chunk`: at most 64, a [64, D] fp32 tile), so that a launch of more splits (a small grid: one
-    sequence, few kv heads) does not hold them all in registers."""
+    chunks of ``CHUNK`` splits (:func:`merge_chunk`: at most 64, a [64, D] fp32 tile), so that a launch of
+    more splits (a small grid: one sequence, few kv heads) does not hold them all in registers."""
     wait_and_release(GDC)
     row = tl.program_id(0)
     head = tl.program_id(1)
@@ -810,12 +810,16 @@ def num_splits(rows: int, kv_heads: int, max_len: int, device: torch.device, blo
     program + 2), waves = ceil(programs / resident slots). It fits the H200's split sweep
     (``h200-tune.json``, 2026-12-04): 4bit_nc 1x32768 58.9 us at 48 splits against 66.7 at 64 (two waves of
     512 programs on 396 slots), k8v4 16x8192 132.8 at 4 against 163.9 at 5. Never more splits than fill the
-    GPU ~4 times (the earlier rule's count), nor 128. Among counts the model rates equal, the largest: the
-    tiles the model counts are the table's width, and a real length a little past a multiple of the split
-    count (an engine's decode at 32769 positions and on: 513 tiles) costs a whole tile more a program at the
-    smaller count (k8v4 1 x 32768 in the engine: 64 splits of 9 tiles where 66 hold 8; the profile of
-    2026-12-04 17:02, ``h200-vllm020-notes.md``). Without ``programs_per_sm`` (the word and byte kernels, the
-    interpreter): ~4 programs an SM, each split >= 4 tiles, at most 64."""
+    GPU ~4 times (the earlier rule's count), nor 128 (it was 64: k8v4 at batch 1, 128-position tiles, then
+    ran 52 splits of 5 tiles in an engine at 1 x 32768 (a table of 258 tiles), where 65-66 splits hold 4:
+    41.0 against 44.9 us, ``h200-tune.json``; the profile of 2026-12-04 17:02, ``h200-vllm020-notes.md``).
+    Among counts the model rates equal, the largest: the model counts the table's width, and a server's table
+    (its max_model_len) is often far wider than its sequences, whose tiles the larger count spreads thinner
+    (a 131072-position table: 64 and 66 splits rate equal; a 32800-position sequence then takes 5 tiles a
+    program at 64, 4 at 66). The cost: at exactly 32768 positions (256 tiles, 4 a program either way) 66
+    splits measured 41.0 us against 64's 38.7 (two empty programs a kv head, a second merge chunk).
+    Without ``programs_per_sm`` (the word and byte kernels, the interpreter): ~4 programs an SM, each split
+    >= 4 tiles, at most 64."""
     pairs = max(rows * kv_heads, 1)
     wanted = triton.cdiv(4 * _sm_count(device), pairs)  # ~4 programs an SM
     if programs_per_sm is None:
@@ -993,8 +997,9 @@ def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: t
     group = heads // kv_heads
     if out is None:
         out = torch.empty_like(query)
-    elif out.shape != query.shape or out.dtype != query.dtype:
-        raise ValueError(f"out: expected {tuple(query.shape)} {query.dtype}, got {tuple(out.shape)} {out.dtype}")
+    elif out.shape != query.shape or out.dtype != query.dtype or out.device != query.device:
+        raise ValueError(f"out: expected {tuple(query.shape)} {query.dtype} on {query.device}, "
+                         f"got {tuple(out.shape)} {out.dtype} on {out.device}")
     if rows == 0:
         return out
     interpret = query.device.type == "cpu"

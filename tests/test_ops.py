@@ -80,6 +80,7 @@ def test_attention_into_writes_the_ops_answer_into_a_given_buffer(backend, new):
     from tqkv_compile import ops
 
     s = build("turboquant_k8v4", lens=(5, 17, 9), new=new, group=2, dtype=torch.float16, seed=4)
+    s.query = torch.cat([s.query, torch.randn(2, *s.query.shape[1:]).to(s.query.dtype)])  # 2 padding rows
     args = (s.query, s.kv_cache, s.block_table, s.seq_lens, s.query_start_loc, SCALE, s.preset)
     with tqkv_compile.use_backend(backend):
         expected = torch.ops.tqkv.attention(*args)
@@ -92,7 +93,12 @@ def test_attention_into_writes_the_ops_answer_into_a_given_buffer(backend, new):
         with pytest.raises(ValueError, match="out"):
             ops.attention_into(view.float(), *args)
     torch.testing.assert_close(view, expected, atol=0, rtol=0)
+    assert bool((view[-2:] == 0).all()) and bool(view[:-2].abs().sum() > 0)
     assert bool((buffer[s.query.shape[0]:] == 7.0).all())
+    with pytest.raises(ValueError, match="shares memory with query"):
+        ops.attention_into(s.query, *args)
+    with pytest.raises(ValueError, match="contiguous"):
+        ops.attention_into(torch.zeros(s.query.shape[::-1], dtype=s.query.dtype).permute(2, 1, 0), *args)
     tqkv_compile.register_backend(ScaledReference(), priority=-5)
     with tqkv_compile.use_backend("scaled_test_backend"):
         ops.attention_into(view, *args)

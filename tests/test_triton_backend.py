@@ -499,13 +499,15 @@ def test_split_count_follows_the_wave_model(monkeypatch):
     splits = ta.num_splits(1, 8, 32768, cuda, 64, 3)
     assert 8 * splits <= 396 and splits >= 40
     assert ta.num_splits(16, 8, 8192, cuda, 128, 4) == 4  # 512 programs on 528 slots, not 640 (measured 1.23x)
-    # every split 2 tiles, one wave: the largest such count (49, not 32), so that a length past the table's
-    # 64 tiles still takes 2 tiles a split
+    # every split 2 tiles, one wave: the largest such count (49, not 32); the table's width rates them equal
     assert ta.num_splits(1, 8, 4096, cuda, 64, 3) == 49
-    # k8v4 (4 programs an SM) in an engine at 1 x 32768 (a table of 32912 positions: 515 tiles): 66 splits
-    # of 8 tiles, one wave of 528 programs, not 64 of 9 (the profile of 2026-12-04)
-    assert ta.num_splits(1, 8, 32912, cuda, 64, 4) == 66
-    assert ta.num_splits(1, 8, 32768, cuda, 64, 4) == 66  # 8 tiles either way: the largest
+    # k8v4 (4 programs an SM, 128-position tiles at batch 1) in an engine at 1 x 32768 (a table of 32912
+    # positions: 258 tiles): 66 splits of 4 tiles, one wave of 528 programs; the old cap of 64 made it 52
+    # splits of 5 (the profile of 2026-12-04)
+    assert ta.num_splits(1, 8, 32912, cuda, 128, 4) == 66
+    # a server's wide table (131072 positions, 1024 tiles): 64 and 66 rate equal; 66 spreads a 32800-position
+    # sequence over 4 tiles a program, 64 over 5
+    assert ta.num_splits(1, 8, 131072, cuda, 128, 4) == 66
     for rows, length in [(1, 100), (3, 16), (64, 4096), (512, 32768)]:  # never more splits than tiles, nor 128
         assert 1 <= ta.num_splits(rows, 8, length, cuda, 64, 3) <= min(128, -(-length // 64))
     # one kv head (a tensor-parallel rank's share): 128 programs on 132 SMs rather than 64

@@ -204,13 +204,20 @@ def attention(
 def attention_into(out: torch.Tensor, query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
                    seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float, preset: str,
                    key: torch.Tensor | None = None, value: torch.Tensor | None = None) -> torch.Tensor:
-    """``tqkv::attention`` written into ``out`` (the query's shape and dtype; any strides), for callers that
-    own the output buffer already (vLLM's attention layers: see ``vllm/serving.attend``): the Triton backend's
-    decode kernels store there directly, which saves a copy kernel a layer and step. A plain function, not an
-    op: its callers run inside vLLM's own opaque ops; traced graphs use ``tqkv::attention``. Returns ``out``."""
+    """``tqkv::attention`` written into ``out`` (the query's shape and dtype, its last dimension contiguous;
+    not overlapping the inputs), for callers that own the output buffer already (vLLM's attention layers: see
+    ``vllm/serving.attend``): the Triton backend's decode kernels store there directly, which saves a copy
+    kernel a layer and step. A plain function, not an op: its callers run inside vLLM's own opaque ops; traced
+    graphs use ``tqkv::attention``. Returns ``out``."""
     if out.shape != query.shape or out.dtype != query.dtype or out.device != query.device:
         raise ValueError(f"out: expected {tuple(query.shape)} {query.dtype} on {query.device} (the query's), "
                          f"got {tuple(out.shape)} {out.dtype} on {out.device}")
+    if out.numel() and out.stride(-1) != 1:
+        raise ValueError(f"out: its last dimension must be contiguous (strides {out.stride()})")
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if t is not None and t.numel() and out.numel() and \
+                t.untyped_storage().data_ptr() == out.untyped_storage().data_ptr():
+            raise ValueError(f"out: shares memory with {name}; attention reads it after out is written")
     return _attention(query, kv_cache, block_table, seq_lens, query_start_loc, scale, preset, key, value, out=out)
 
 
@@ -221,7 +228,10 @@ def _attention(query, kv_cache, block_table, seq_lens, query_start_loc, scale, p
     if out is None:
         out = backend.attention(query, kv_cache, block_table, seq_lens, query_start_loc, scale, p, **own)
     elif backends.takes_out(backend):
-        out = backend.attention(query, kv_cache, block_table, seq_lens, query_start_loc, scale, p, **own, out=out)
+        result = backend.attention(query, kv_cache, block_table, seq_lens, query_start_loc, scale, p, **own,
+                                   out=out)
+        if result is not out:  # a backend that took ``out`` but answered in a tensor of its own
+            out.copy_(result)
     else:  # a backend registered without ``out``
         out.copy_(backend.attention(query, kv_cache, block_table, seq_lens, query_start_loc, scale, p, **own))
     if backends.validate_enabled() and backend.name != "reference":
