@@ -25,6 +25,7 @@ Two split kernels share that contract: ``_decode_split_kernel`` (byte loads) and
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 import triton
@@ -784,9 +785,23 @@ def _merge_kernel(part_out_ptr, part_lse_ptr, out_ptr, s_ot, s_oh, s_od,
     tl.store(out_ptr + row * s_ot + head * s_oh + d * s_od, out.to(out_ptr.dtype.element_ty))
 
 
+MERGE_CHUNK_ENV = "TQKV_MERGE_CHUNK"
+
+
 def merge_chunk(splits: int) -> int:
-    """The merge kernel's chunk: the splits' power of two, at most 64."""
-    return min(triton.next_power_of_2(splits), 64)
+    """The merge kernel's chunk: the splits' power of two, at most 64 (``TQKV_MERGE_CHUNK=128``: at most 128,
+    i.e. one pass up to 128 splits, the merge at 8 warps; an A/B for the next GPU session: at exactly 32768
+    positions k8v4's 66 splits cost 41.0 us against 64's 38.7, and a second chunk is one suspect)."""
+    most = int(os.environ.get(MERGE_CHUNK_ENV, "64"))
+    if most not in (64, 128):
+        raise ValueError(f"{MERGE_CHUNK_ENV}={most}: expected 64 or 128")
+    return min(triton.next_power_of_2(splits), most)
+
+
+def merge_warps(chunk: int) -> int:
+    """The merge kernel's warps: 4 up to a [64, D] chunk (as always), 8 for a [128, D] one (the same registers
+    a thread)."""
+    return 4 if chunk <= 64 else 8
 
 
 _SM_COUNT: dict[int, int] = {}
@@ -1083,9 +1098,10 @@ def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: t
             *q.stride(), *block_table.stride(), *kv_cache.stride(),
             **common, num_warps=num_warps or 4, num_stages=num_stages or 2,
         )
+    chunk = merge_chunk(splits)
     launch(_merge_kernel)[(rows, heads)](
         part_out, part_lse, out, *out.stride(),
-        NUM_HEADS=heads, D=dim, NUM_SPLITS=splits, SPLITS_P2=triton.next_power_of_2(splits), CHUNK=merge_chunk(splits),
-        **pdl,
+        NUM_HEADS=heads, D=dim, NUM_SPLITS=splits, SPLITS_P2=triton.next_power_of_2(splits), CHUNK=chunk,
+        num_warps=merge_warps(chunk), **pdl,
     )
     return out

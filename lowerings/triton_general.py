@@ -33,7 +33,7 @@ import triton.language as tl
 from tqkv_compile import lloyd_max
 from tqkv_compile.codec import FP8_MAX, Preset
 from tqkv_compile.lowerings.triton_attention import (LOG2E, _load_fp16, _merge_kernel, _softmax_step, _split_span,
-                                                      _tile_base, merge_chunk, num_splits)
+                                                      _tile_base, merge_chunk, merge_warps, num_splits)
 from tqkv_compile.lowerings.triton_dequant import dense_outputs
 from tqkv_compile.lowerings.triton_kv_dot import _logit_tile, _store_logits
 from tqkv_compile.lowerings.triton_kv_write import _fp8e4m3_bits, _store_fp16, _store_packed, _write_rows, few_rows
@@ -317,7 +317,7 @@ def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: t
     rotated = torch.empty(rows, heads, dim, dtype=torch.float32, device=query.device)
     _merge_kernel[(rows, heads)](part_out, part_lse, rotated, *rotated.stride(), NUM_HEADS=heads, D=dim,
                                  NUM_SPLITS=splits, SPLITS_P2=triton.next_power_of_2(splits),
-                                 CHUNK=merge_chunk(splits))
+                                 CHUNK=(chunk := merge_chunk(splits)), num_warps=merge_warps(chunk))
     return torch.matmul(rotated, rotation).to(query.dtype)  # back from the rotated basis (H is symmetric)
 
 

@@ -434,16 +434,24 @@ def test_stream_kernel_with_more_splits_than_tiles(splits):
     torch.testing.assert_close(out.float(), expected.float(), **_tolerance(torch.float16))
 
 
-def test_merge_reads_every_chunk_of_splits():
+@pytest.mark.parametrize("most", ["64", "128"])
+def test_merge_reads_every_chunk_of_splits(monkeypatch, most):
     """More splits than one merge chunk (64), each holding a part of the context: an answer that dropped a
-    chunk, or weighted one with another chunk's maximum, would miss the reference."""
-    from tqkv_compile.lowerings.triton_attention import merge_chunk
+    chunk, or weighted one with another chunk's maximum, would miss the reference. ``TQKV_MERGE_CHUNK=128``
+    (an A/B switch): one pass, 8 warps."""
+    from tqkv_compile.lowerings.triton_attention import merge_chunk, merge_warps
 
-    assert (merge_chunk(7), merge_chunk(64), merge_chunk(66), merge_chunk(128)) == (8, 64, 64, 64)
+    monkeypatch.setenv("TQKV_MERGE_CHUNK", most)
+    chunks = (merge_chunk(7), merge_chunk(64), merge_chunk(66), merge_chunk(128))
+    assert chunks == ((8, 64, 64, 64) if most == "64" else (8, 64, 128, 128))
+    assert [merge_warps(c) for c in chunks] == ([4, 4, 4, 4] if most == "64" else [4, 4, 8, 8])
     preset = get_preset("turboquant_k8v4", 64)
     out, expected = _attention_both(preset, 4, torch.float16, [1], [16 * 100], seed=9, kernel="stream",
                                     block_n=16, splits=100)
     torch.testing.assert_close(out.float(), expected.float(), **_tolerance(torch.float16))
+    monkeypatch.setenv("TQKV_MERGE_CHUNK", "96")
+    with pytest.raises(ValueError, match="TQKV_MERGE_CHUNK"):
+        merge_chunk(100)
 
 
 def test_dependent_launch_only_on_a_gpu_when_asked_and_never_traced(monkeypatch):
