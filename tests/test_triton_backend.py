@@ -175,7 +175,7 @@ def test_fp8_key_kv_write_with_few_rows_per_program(tokens):
     assert torch.equal(cache, expected) and bool(cache.any())
 
 
-@pytest.mark.parametrize("order", ["decodes_first", "prefills_first"])
+@pytest.mark.parametrize("order", ["decodes_first", "prefills_first", "vllm_order"])
 @pytest.mark.parametrize("preset_name", ["turboquant_4bit_nc", "turboquant_k8v4", "tqkv_k5v3"])
 def test_long_new_token_runs_take_the_dense_path_and_match_reference(preset_name, order, monkeypatch):
     """Prefill (a whole prompt) and a long continuation chunk go through the dense path (slots decoded once,
@@ -190,6 +190,8 @@ def test_long_new_token_runs_take_the_dense_path_and_match_reference(preset_name
     new, lengths = [1, 160, 1, 140], [30, 160, 45, 200]  # seq 1: first chunk; seq 3: continuation of 60 cached
     if order == "prefills_first":
         new, lengths = new[::-1], lengths[::-1]
+    if order == "vllm_order":  # every decode before the prefills: the decode rows are one prefix of the query
+        new, lengths = [1, 1, 160, 140], [30, 45, 160, 200]
     out, expected = _attention_both(preset, 2, torch.bfloat16, new, lengths, seed=11)
     assert calls == [[b for b, n in enumerate(new) if n > prefill.DENSE_MIN_NEW_TOKENS]]
     torch.testing.assert_close(out.float(), expected.float(), **_tolerance(torch.bfloat16))
