@@ -225,15 +225,12 @@ def _attention(query, kv_cache, block_table, seq_lens, query_start_loc, scale, p
     p = check_attention(query, kv_cache, block_table, seq_lens, query_start_loc, preset, key, value)
     own = {} if key is None else dict(key=key, value=value)
     backend = backends.select_backend(query.device, p)
+    into = dict(out=out) if out is not None and backends.takes_out(backend) else {}
+    result = backend.attention(query, kv_cache, block_table, seq_lens, query_start_loc, scale, p, **own, **into)
     if out is None:
-        out = backend.attention(query, kv_cache, block_table, seq_lens, query_start_loc, scale, p, **own)
-    elif backends.takes_out(backend):
-        result = backend.attention(query, kv_cache, block_table, seq_lens, query_start_loc, scale, p, **own,
-                                   out=out)
-        if result is not out:  # a backend that took ``out`` but answered in a tensor of its own
-            out.copy_(result)
-    else:  # a backend registered without ``out``
-        out.copy_(backend.attention(query, kv_cache, block_table, seq_lens, query_start_loc, scale, p, **own))
+        out = result
+    elif result is not out:  # a backend registered without ``out``, or one that answered in its own tensor
+        out.copy_(result)
     if backends.validate_enabled() and backend.name != "reference":
         expected = backends.get_backend("reference").attention(
             query, kv_cache, block_table, seq_lens, query_start_loc, scale, p, **own

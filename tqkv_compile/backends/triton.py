@@ -128,9 +128,8 @@ class TritonBackend:
         if short:
             if short == list(range(len(short))):  # vLLM's order: decodes first, so usually a plain prefix
                 rows = slice(0, starts[len(short)])
-                sub = self.decode_kernels(query[rows], kv_cache, block_table[: len(short)], seq_lens[: len(short)],
-                                             query_start_loc[: len(short) + 1], scale, preset)
-                out[rows] = sub
+                self.decode_kernels(query[rows], kv_cache, block_table[: len(short)], seq_lens[: len(short)],
+                                    query_start_loc[: len(short) + 1], scale, preset, out=out[rows])
             else:
                 index = torch.cat([torch.arange(starts[b], starts[b + 1]) for b in short]).to(query.device)
                 counts = torch.tensor([0] + [starts[b + 1] - starts[b] for b in short]).cumsum(0)
