@@ -601,6 +601,47 @@ def _stream_query(q_ptr, signs_ptr, row, q_heads, head_ok, s_qt, s_qh, s_qd, D: 
 
 
 @triton.jit
+def _tile_transposed(q, kw, vw, vscale, vzero, knorm, valid, key_lut_ptr, cent_ptr, acc, m_i, l_i, zsum, psum,
+                     D: tl.constexpr, KEY_FP8: tl.constexpr, NORM_CORRECTION: tl.constexpr, ASM: tl.constexpr,
+                     KEY_WORD: tl.constexpr, VALUE_WORD: tl.constexpr, DTYPE: tl.constexpr, PRECISION: tl.constexpr):
+    """One tile of :func:`_decode_stream_kernel` with the dots turned around: scores^T [BLOCK_N, BLOCK_H] = K . q^T
+    and acc^T [D, BLOCK_H] += V^T . P^T, so the query group is the dots' N side (>= 8) instead of their M side (>=
+    16): a group of 4 pads to 8 rows, not 16, and the softmax, scaling and accumulator work halve."""
+    if KEY_FP8:
+        if ASM:
+            keys = _fp8x4_fp16(kw)
+        else:
+            keys = _unpack(kw, 8, KEY_WORD).to(tl.int8).to(tl.float8e4nv, bitcast=True).to(DTYPE)
+        scores = tl.dot(keys, tl.trans(q), input_precision=PRECISION)
+    else:
+        if ASM:
+            cent = _lut4_fp16(kw, key_lut_ptr)
+        else:
+            cent = _centroids_sym16(_unpack(kw, 4, KEY_WORD), cent_ptr, DTYPE)
+        scores = tl.dot(cent, tl.trans(q), input_precision=PRECISION)
+        if NORM_CORRECTION:
+            ones = tl.full((D, q.shape[0]), 1.0, DTYPE)
+            sumsq = tl.dot((cent * cent).to(DTYPE), ones, input_precision=PRECISION)
+            scores = scores * (knorm[:, None] / tl.sqrt(sumsq + 1e-16))
+        else:
+            scores = scores * knorm[:, None]
+    scores = tl.where(valid[:, None], scores, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(scores, axis=0))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(scores - m_new[None, :])
+    l_i = l_i * alpha + tl.sum(p, axis=0)
+    ps = (p * vscale[:, None]).to(DTYPE)
+    zsum = zsum * alpha + tl.sum(p * vzero[:, None], axis=0)
+    psum = psum * alpha + tl.sum(ps.to(tl.float32), axis=0)
+    if ASM:
+        vcodes = _codes4_fp16_odd16(vw)
+    else:
+        vcodes = _odd16_codes(_unpack(vw, 4, VALUE_WORD), D).to(DTYPE)
+    acc = tl.dot(tl.trans(vcodes), ps, acc * alpha[None, :], input_precision=PRECISION)
+    return acc, m_new, l_i, zsum, psum
+
+
+@triton.jit
 def _decode_stream_kernel(
     q_ptr, signs_ptr, cache_ptr, block_table_ptr, seq_lens_ptr, qsl_ptr, cent_ptr, key_lut_ptr, part_out_ptr,
     part_lse_ptr,
@@ -614,7 +655,7 @@ def _decode_stream_kernel(
     DOT_FP32: tl.constexpr, KEY_WORD: tl.constexpr, VALUE_WORD: tl.constexpr, PREFETCH: tl.constexpr,
     NC_DOT: tl.constexpr, ASM: tl.constexpr, INDEX32: tl.constexpr,
     QUERY_IN_KERNEL: tl.constexpr, ROTATE_QUERY: tl.constexpr, Q_PRE: tl.constexpr, Q_POST: tl.constexpr,
-    GDC: tl.constexpr = False,
+    GDC: tl.constexpr = False, TRANSPOSED: tl.constexpr = False,
 ):
     """The split kernel's contract (see :func:`_decode_split_kernel`) for fp8 or 4-bit Lloyd-Max keys with
     4-bit uniform values (k8v4, 4bit_nc), a cache whose last stride is 1 and whose fields are WORD-byte
@@ -652,7 +693,10 @@ def _decode_stream_kernel(
         ones = tl.full((BLOCK_H, D), 1.0, DTYPE)
     m_i = tl.full((BLOCK_H,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_H,), tl.float32)
-    acc = tl.zeros((BLOCK_H, D), tl.float32)
+    if TRANSPOSED:
+        acc = tl.zeros((D, BLOCK_H), tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_H, D), tl.float32)
     zsum = tl.zeros((BLOCK_H,), tl.float32)  # sum of P * zero: the affine part of P.V
     psum = tl.zeros((BLOCK_H,), tl.float32)  # sum of P * scale as rounded for the dot: takes the 1024 back out
     bt_row = block_table_ptr + seq.to(tl.int64) * s_bt
@@ -686,42 +730,47 @@ def _decode_stream_kernel(
                                                  h_head, BLOCK_SIZE, INDEX32)
         valid = start + n < end
 
-        # ---- keys -> scores [BLOCK_H, BLOCK_N]
-        if KEY_FP8:
-            if ASM:
-                keys = _fp8x4_fp16(kw)
-            else:
-                keys = _unpack(kw, 8, KEY_WORD).to(tl.int8).to(tl.float8e4nv, bitcast=True).to(DTYPE)
-            scores = tl.dot(q, tl.trans(keys), input_precision=PRECISION)
+        if TRANSPOSED:
+            acc, m_i, l_i, zsum, psum = _tile_transposed(q, kw, vw, vscale, vzero, knorm, valid, key_lut_ptr, cent_ptr,
+                                                         acc, m_i, l_i, zsum, psum, D, KEY_FP8, NORM_CORRECTION, ASM,
+                                                         KEY_WORD, VALUE_WORD, DTYPE, PRECISION)
         else:
-            if ASM:
-                cent = _lut4_fp16(kw, key_lut_ptr)
-            else:
-                cent = _centroids_sym16(_unpack(kw, 4, KEY_WORD), cent_ptr, DTYPE)  # the table in DTYPE, selected
-            scores = tl.dot(q, tl.trans(cent), input_precision=PRECISION)
-            cent = cent.to(tl.float32)
-            if NORM_CORRECTION:
-                if NC_DOT:
-                    sumsq = tl.dot(ones, tl.trans((cent * cent).to(DTYPE)), input_precision=PRECISION)
-                    scores = scores * (knorm[None, :] / tl.sqrt(sumsq + 1e-16))
+            # ---- keys -> scores [BLOCK_H, BLOCK_N]
+            if KEY_FP8:
+                if ASM:
+                    keys = _fp8x4_fp16(kw)
                 else:
-                    factor = knorm / tl.sqrt(tl.sum(cent * cent, axis=1) + 1e-16)
-                    scores = scores * factor[None, :]
+                    keys = _unpack(kw, 8, KEY_WORD).to(tl.int8).to(tl.float8e4nv, bitcast=True).to(DTYPE)
+                scores = tl.dot(q, tl.trans(keys), input_precision=PRECISION)
             else:
-                scores = scores * knorm[None, :]
-        scores = tl.where(valid[None, :], scores, float("-inf"))
-        p, alpha, m_i, l_i = _softmax_step(scores, m_i, l_i)
+                if ASM:
+                    cent = _lut4_fp16(kw, key_lut_ptr)
+                else:
+                    cent = _centroids_sym16(_unpack(kw, 4, KEY_WORD), cent_ptr, DTYPE)  # the table in DTYPE, selected
+                scores = tl.dot(q, tl.trans(cent), input_precision=PRECISION)
+                cent = cent.to(tl.float32)
+                if NORM_CORRECTION:
+                    if NC_DOT:
+                        sumsq = tl.dot(ones, tl.trans((cent * cent).to(DTYPE)), input_precision=PRECISION)
+                        scores = scores * (knorm[None, :] / tl.sqrt(sumsq + 1e-16))
+                    else:
+                        factor = knorm / tl.sqrt(tl.sum(cent * cent, axis=1) + 1e-16)
+                        scores = scores * factor[None, :]
+                else:
+                    scores = scores * knorm[None, :]
+            scores = tl.where(valid[None, :], scores, float("-inf"))
+            p, alpha, m_i, l_i = _softmax_step(scores, m_i, l_i)
 
-        # ---- values: P.V = (P * scale) . code + P . zero, the codes as fp16 1024 + f * code with f = 1 in even
-        # columns and 16 in odd ones (the cheapest exact unpacking); the 1024 and f come out after the loop
-        ps = (p * vscale[None, :]).to(DTYPE)
-        zsum = zsum * alpha + tl.sum(p * vzero[None, :], axis=1)
-        psum = psum * alpha + tl.sum(ps.to(tl.float32), axis=1)
-        if ASM:
-            vcodes = _codes4_fp16_odd16(vw)
-        else:
-            vcodes = _odd16_codes(_unpack(vw, 4, VALUE_WORD), D).to(DTYPE)
-        acc = tl.dot(ps, vcodes, acc * alpha[:, None])
+            # ---- values: P.V = (P * scale) . code + P . zero, the codes as fp16 1024 + f * code with f = 1 in even
+            # columns and 16 in odd ones (the cheapest exact unpacking); the 1024 and f come out after the loop
+            ps = (p * vscale[None, :]).to(DTYPE)
+            zsum = zsum * alpha + tl.sum(p * vzero[None, :], axis=1)
+            psum = psum * alpha + tl.sum(ps.to(tl.float32), axis=1)
+            if ASM:
+                vcodes = _codes4_fp16_odd16(vw)
+            else:
+                vcodes = _odd16_codes(_unpack(vw, 4, VALUE_WORD), D).to(DTYPE)
+            acc = tl.dot(ps, vcodes, acc * alpha[:, None])
 
         if PREFETCH:
             kw, vw, vscale, vzero, knorm = kw_n, vw_n, vscale_n, vzero_n, knorm_n
@@ -740,8 +789,12 @@ def _decode_stream_kernel(
 
     inv = 1.0 / l_i
     f = tl.where((d & 1) == 1, 1.0 / 16.0, 1.0)  # exact: a power of two
-    out = (acc - 1024.0 * psum[:, None]) * (f[None, :] * inv[:, None]) + (zsum * inv)[:, None]
-    tl.store(part_out_ptr + part[:, None] * D + d[None, :], out, mask=head_ok[:, None])
+    if TRANSPOSED:
+        out = (acc - 1024.0 * psum[None, :]) * (f[:, None] * inv[None, :]) + (zsum * inv)[None, :]
+        tl.store(part_out_ptr + part[None, :] * D + d[:, None], out, mask=head_ok[None, :])
+    else:
+        out = (acc - 1024.0 * psum[:, None]) * (f[None, :] * inv[:, None]) + (zsum * inv)[:, None]
+        tl.store(part_out_ptr + part[:, None] * D + d[None, :], out, mask=head_ok[:, None])
     tl.store(part_lse_ptr + part, m_i + tl.log2(l_i), mask=head_ok)
 
 
@@ -991,7 +1044,7 @@ def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: t
                      prefetch: bool = False, nc_dot: bool | None = None, asm: bool = True,
                      maxnreg: int | None = None, lut: torch.Tensor | None = None,
                      index32: bool | None = None, signs: torch.Tensor | None = None,
-                     query_in_kernel: bool | None = None, launch=None,
+                     query_in_kernel: bool | None = None, transposed: bool | None = None, launch=None,
                      out: torch.Tensor | None = None) -> torch.Tensor:
     """query [T, Hq, D] -> out [T, Hq, D] (query dtype); see the module docstring and ops.attention.
     ``kernel``: "stream", "words" or "bytes" (default: :func:`default_kernel`); the other keywords are tuning
@@ -1064,17 +1117,18 @@ def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: t
             q = prepare_query(query, rotation if rotate else None, None, scale * LOG2E, _traced(launch))
             signs = q
         lut = lut if lut is not None else key_lut(preset, query.device)
+        transposed = transposed is not False
         launch(_decode_stream_kernel)[(rows, kv_heads, splits)](
             q, signs, kv_cache, block_table, seq_lens, query_start_loc, centroids, lut, part_out, part_lse,
             num_seqs, max_len, *q.stride(), *block_table.stride(),
             *(st // 2 for st in kv_cache.stride()[:3]),
-            GROUP=common["GROUP"], BLOCK_H=common["BLOCK_H"], D=dim, BLOCK_SIZE=kv_cache.shape[1], BLOCK_N=block_n,
+            GROUP=common["GROUP"], BLOCK_H=max(8 if transposed else 16, triton.next_power_of_2(group)), D=dim, BLOCK_SIZE=kv_cache.shape[1], BLOCK_N=block_n,
             NUM_SPLITS=splits, SEARCH_STEPS=common["SEARCH_STEPS"], KEY_FP8=preset.key_fp8,
             KEY_CODE_BYTES=preset.key_code_bytes, NORM_CORRECTION=preset.norm_correction,
             VALUE_OFFSET=preset.key_bytes, VALUE_CODE_BYTES=preset.value_code_bytes, DOT_FP32=interpret,
             KEY_WORD=words[0], VALUE_WORD=words[1], ASM=words[2], PREFETCH=prefetch, NC_DOT=nc_dot,
             INDEX32=index32 is not False and _halves_span(kv_cache) < 2**31,
-            QUERY_IN_KERNEL=query_in_kernel, ROTATE_QUERY=rotate and query_in_kernel,
+            QUERY_IN_KERNEL=query_in_kernel, ROTATE_QUERY=rotate and query_in_kernel, TRANSPOSED=transposed,
             Q_PRE=q_pre if query_in_kernel else 1.0, Q_POST=q_scale / q_pre if query_in_kernel else 1.0,
             num_warps=num_warps or 4, num_stages=num_stages or 1,
             **pdl,

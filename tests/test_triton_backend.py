@@ -383,7 +383,8 @@ def test_both_kernels_read_unaligned_slots(preset_name, kernel):
 
 @pytest.mark.parametrize("variant", [dict(prefetch=True), dict(prefetch=False, nc_dot=True),
                                      dict(prefetch=False, index32=False), dict(query_in_kernel=True),
-                                     dict(query_in_kernel=False)])
+                                     dict(query_in_kernel=False), dict(transposed=False),
+                                     dict(transposed=False, query_in_kernel=False, prefetch=True)])
 @pytest.mark.parametrize("dim", HEAD_DIMS)
 @pytest.mark.parametrize("preset_name", ["turboquant_k8v4", "turboquant_4bit_nc", "tqkv_4bit_pc"])
 def test_stream_kernel_matches_reference(preset_name, dim, variant):
