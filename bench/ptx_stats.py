@@ -85,13 +85,13 @@ def loop_sass(sass: str) -> dict:
 
 def stream_kernel(preset_name: str, dim: int, block_n: int, warps: int, maxnreg: int | None, prefetch: bool,
                   index32: bool = True, query_in_kernel: bool | None = None, merge: bool = False,
-                  splits: int = 2, pdl: bool = False, transposed: bool = False) -> dict:
+                  splits: int = 2, pdl: bool = False) -> dict:
     p = tqkv_compile.get_preset(preset_name, dim)
     key_word, value_word = (4 if p.key_fp8 else 2), 2  # the GPU's asm path (stream_words)
     constexprs = dict(GROUP=4, BLOCK_H=16, D=dim, BLOCK_SIZE=16, BLOCK_N=block_n, NUM_SPLITS=splits, SEARCH_STEPS=7,
                       KEY_FP8=p.key_fp8, KEY_CODE_BYTES=p.key_code_bytes, NORM_CORRECTION=p.norm_correction,
                       VALUE_OFFSET=p.key_bytes, VALUE_CODE_BYTES=p.value_code_bytes, DOT_FP32=False,
-                      KEY_WORD=key_word, VALUE_WORD=value_word, PREFETCH=prefetch, NC_DOT=True, ASM=True,
+                      KEY_WORD=key_word, VALUE_WORD=value_word, PREFETCH=prefetch, ASM=True,
                       **({'INDEX32': index32} if 'INDEX32' in ta._decode_stream_kernel.arg_names else {}))
     if query_in_kernel is None:  # the launcher's default for a bf16 query on the GPU (older trees: none)
         rule = getattr(ta, "query_in_stream_kernel", None)
@@ -108,8 +108,10 @@ def stream_kernel(preset_name: str, dim: int, block_n: int, warps: int, maxnreg:
         print("--merge: this tree's kernel has no in-launch merge (removed after bd688d7); ignored", file=sys.stderr)
     if "GDC" in ta._decode_stream_kernel.arg_names:
         constexprs.update(GDC=pdl)
-    if transposed:  # the dots turned around: the query group is their N side, padded to 8
-        constexprs.update(TRANSPOSED=True, BLOCK_H=8)
+    if "NC_DOT" in ta._decode_stream_kernel.arg_names:  # trees up to 07a1e9e: the query group as the dots' M side
+        constexprs.update(NC_DOT=True)
+    else:  # the dots turned around: the query group is their N side, padded to 8
+        constexprs.update(BLOCK_H=8)
     pointers = dict(q_ptr="*bf16" if query_in_kernel else "*fp32", signs_ptr="*fp16", out_ptr="*bf16", count_ptr="*i32", cache_ptr="*u8", block_table_ptr="*i32", seq_lens_ptr="*i32", qsl_ptr="*i32",
                     cent_ptr="*fp32", key_lut_ptr="*i32", value_lut_ptr="*i32", part_out_ptr="*fp32",
                     part_lse_ptr="*fp32")  # (value_lut_ptr: older commits' kernels)
@@ -124,24 +126,21 @@ def main() -> int:
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--block-n", type=int, default=64)
     parser.add_argument("--warps", type=int, default=4)
-    parser.add_argument("--maxnreg", type=int, default=None, help="default: the launcher's (168 / 128)")
+    parser.add_argument("--maxnreg", type=int, default=None, help="default: the launcher's (128)")
     parser.add_argument("--prefetch", action="store_true")
     parser.add_argument("--merge", action="store_true",
                         help="the splits merged in the launch (trees up to bd688d7, whose kernel had it)")
     parser.add_argument("--pdl", action="store_true", help="the dependent-launch waits in (TQKV_PDL=1)")
-    parser.add_argument("--transposed", action="store_true", help="the dots turned around (TRANSPOSED)")
     parser.add_argument("--splits", type=int, default=2, help="NUM_SPLITS")
     parser.add_argument("--query-in-kernel", choices=("auto", "yes", "no"), default="auto",
                         help="the query prepared in the kernel (bf16) or by prepare_query's launch (fp32); "
                              "auto: as the launcher (in the kernel for fp8 keys)")
     args = parser.parse_args()
     for name in args.preset or ["turboquant_4bit_nc", "turboquant_k8v4"]:
-        fp8 = tqkv_compile.get_preset(name, args.head_dim).key_fp8
-        maxnreg = args.maxnreg or (128 if fp8 else 168)
+        maxnreg = args.maxnreg or 128
         result = stream_kernel(name, args.head_dim, args.block_n, args.warps, maxnreg, args.prefetch,
                                query_in_kernel={"auto": None, "yes": True, "no": False}[args.query_in_kernel],
-                               merge=args.merge, splits=args.splits, pdl=args.pdl,
-                               transposed=args.transposed)
+                               merge=args.merge, splits=args.splits, pdl=args.pdl)
         print(f"{name} D{args.head_dim} BLOCK_N {args.block_n} warps {args.warps} maxnreg {maxnreg} "
               f"prefetch {args.prefetch}: " + " ".join(f"{k}={v}" for k, v in result.items()), flush=True)
     return 0

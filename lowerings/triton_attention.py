@@ -1,8 +1,9 @@
 """Triton decode attention straight from the packed TurboQuant cache: split-KV, then a log-sum-exp merge.
 
 Grid ``(query rows, kv heads, NUM_SPLITS)``, fixed by tensor shapes alone (CUDA-graph safe). One program
-serves one query row's whole query-head group (padded to ``BLOCK_H`` >= 16, the M side of ``tl.dot``) over
-one split of that row's causal context, in tiles of ``BLOCK_N`` positions:
+serves one query row's whole query-head group (padded to ``BLOCK_H`` >= 16, the M side of ``tl.dot``; the
+stream kernel turns its dots around: >= 8, their N side) over one split of that row's causal context, in tiles
+of ``BLOCK_N`` positions:
 
 - keys: codes unpacked in registers, centroids chosen by a select tree over the code bits (no memory
   gather); scores = dot(q @ H, centroids) * ||k|| / ||c|| (nc), or dot(q, fp8 keys). The query is rotated
@@ -601,47 +602,6 @@ def _stream_query(q_ptr, signs_ptr, row, q_heads, head_ok, s_qt, s_qh, s_qd, D: 
 
 
 @triton.jit
-def _tile_transposed(q, kw, vw, vscale, vzero, knorm, valid, key_lut_ptr, cent_ptr, acc, m_i, l_i, zsum, psum,
-                     D: tl.constexpr, KEY_FP8: tl.constexpr, NORM_CORRECTION: tl.constexpr, ASM: tl.constexpr,
-                     KEY_WORD: tl.constexpr, VALUE_WORD: tl.constexpr, DTYPE: tl.constexpr, PRECISION: tl.constexpr):
-    """One tile of :func:`_decode_stream_kernel` with the dots turned around: scores^T [BLOCK_N, BLOCK_H] = K . q^T
-    and acc^T [D, BLOCK_H] += V^T . P^T, so the query group is the dots' N side (>= 8) instead of their M side (>=
-    16): a group of 4 pads to 8 rows, not 16, and the softmax, scaling and accumulator work halve."""
-    if KEY_FP8:
-        if ASM:
-            keys = _fp8x4_fp16(kw)
-        else:
-            keys = _unpack(kw, 8, KEY_WORD).to(tl.int8).to(tl.float8e4nv, bitcast=True).to(DTYPE)
-        scores = tl.dot(keys, tl.trans(q), input_precision=PRECISION)
-    else:
-        if ASM:
-            cent = _lut4_fp16(kw, key_lut_ptr)
-        else:
-            cent = _centroids_sym16(_unpack(kw, 4, KEY_WORD), cent_ptr, DTYPE)
-        scores = tl.dot(cent, tl.trans(q), input_precision=PRECISION)
-        if NORM_CORRECTION:
-            ones = tl.full((D, q.shape[0]), 1.0, DTYPE)
-            sumsq = tl.dot((cent * cent).to(DTYPE), ones, input_precision=PRECISION)
-            scores = scores * (knorm[:, None] / tl.sqrt(sumsq + 1e-16))
-        else:
-            scores = scores * knorm[:, None]
-    scores = tl.where(valid[:, None], scores, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(scores, axis=0))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(scores - m_new[None, :])
-    l_i = l_i * alpha + tl.sum(p, axis=0)
-    ps = (p * vscale[:, None]).to(DTYPE)
-    zsum = zsum * alpha + tl.sum(p * vzero[:, None], axis=0)
-    psum = psum * alpha + tl.sum(ps.to(tl.float32), axis=0)
-    if ASM:
-        vcodes = _codes4_fp16_odd16(vw)
-    else:
-        vcodes = _odd16_codes(_unpack(vw, 4, VALUE_WORD), D).to(DTYPE)
-    acc = tl.dot(tl.trans(vcodes), ps, acc * alpha[None, :], input_precision=PRECISION)
-    return acc, m_new, l_i, zsum, psum
-
-
-@triton.jit
 def _decode_stream_kernel(
     q_ptr, signs_ptr, cache_ptr, block_table_ptr, seq_lens_ptr, qsl_ptr, cent_ptr, key_lut_ptr, part_out_ptr,
     part_lse_ptr,
@@ -653,15 +613,19 @@ def _decode_stream_kernel(
     KEY_FP8: tl.constexpr, KEY_CODE_BYTES: tl.constexpr, NORM_CORRECTION: tl.constexpr,
     VALUE_OFFSET: tl.constexpr, VALUE_CODE_BYTES: tl.constexpr,
     DOT_FP32: tl.constexpr, KEY_WORD: tl.constexpr, VALUE_WORD: tl.constexpr, PREFETCH: tl.constexpr,
-    NC_DOT: tl.constexpr, ASM: tl.constexpr, INDEX32: tl.constexpr,
+    ASM: tl.constexpr, INDEX32: tl.constexpr,
     QUERY_IN_KERNEL: tl.constexpr, ROTATE_QUERY: tl.constexpr, Q_PRE: tl.constexpr, Q_POST: tl.constexpr,
-    GDC: tl.constexpr = False, TRANSPOSED: tl.constexpr = False,
+    GDC: tl.constexpr = False,
 ):
     """The split kernel's contract (see :func:`_decode_split_kernel`) for fp8 or 4-bit Lloyd-Max keys with
     4-bit uniform values (k8v4, 4bit_nc), a cache whose last stride is 1 and whose fields are WORD-byte
     aligned, its strides given in 2-byte units (h_blk, h_pos, h_head; int32 indexing with INDEX32, when the
     view spans fewer than 2^31 such units): every field is read as WORD-byte words and unpacked into natural
-    coordinate order (no query permutation). With PREFETCH, the next tile's words and the tile after's block
+    coordinate order (no query permutation). Its dots are turned around against the other kernels': scores^T =
+    K . q^T and acc^T += V^T . P^T, so the query group is the dots' N side (``BLOCK_H`` >= 8) and the tile's
+    positions their M side (wgmma on Hopper at BLOCK_N 64): a group of 4 pads to 8 instead of 16, which halves
+    the softmax, scaling and accumulator work (H200, 2026-12-04 19:56, ``h200-tune.json``: 4bit_nc 64 x 32768
+    2874 -> 2149 us with the register cap at 128, k8v4 1807 -> 1623). With PREFETCH, the next tile's words and the tile after's block
     ids are loaded before the current tile is computed (software pipelining by hand: the loads are in flight
     during the math). With QUERY_IN_KERNEL, ``q_ptr`` is the model's query and :func:`_stream_query` rotates
     and scales it (no launch of :func:`prepare_query`); otherwise it is prepare_query's."""
@@ -689,14 +653,11 @@ def _decode_stream_kernel(
         q = tl.load(q_ptr + row * s_qt + q_heads[:, None] * s_qh + d[None, :] * s_qd, mask=head_ok[:, None],
                     other=0.0)
         q = q.to(DTYPE)
-    if NC_DOT:
-        ones = tl.full((BLOCK_H, D), 1.0, DTYPE)
+    if NORM_CORRECTION:
+        ones = tl.full((D, BLOCK_H), 1.0, DTYPE)
     m_i = tl.full((BLOCK_H,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_H,), tl.float32)
-    if TRANSPOSED:
-        acc = tl.zeros((D, BLOCK_H), tl.float32)
-    else:
-        acc = tl.zeros((BLOCK_H, D), tl.float32)
+    acc = tl.zeros((D, BLOCK_H), tl.float32)  # transposed: the query group is the dots' N side
     zsum = tl.zeros((BLOCK_H,), tl.float32)  # sum of P * zero: the affine part of P.V
     psum = tl.zeros((BLOCK_H,), tl.float32)  # sum of P * scale as rounded for the dot: takes the 1024 back out
     bt_row = block_table_ptr + seq.to(tl.int64) * s_bt
@@ -730,47 +691,43 @@ def _decode_stream_kernel(
                                                  h_head, BLOCK_SIZE, INDEX32)
         valid = start + n < end
 
-        if TRANSPOSED:
-            acc, m_i, l_i, zsum, psum = _tile_transposed(q, kw, vw, vscale, vzero, knorm, valid, key_lut_ptr, cent_ptr,
-                                                         acc, m_i, l_i, zsum, psum, D, KEY_FP8, NORM_CORRECTION, ASM,
-                                                         KEY_WORD, VALUE_WORD, DTYPE, PRECISION)
-        else:
-            # ---- keys -> scores [BLOCK_H, BLOCK_N]
-            if KEY_FP8:
-                if ASM:
-                    keys = _fp8x4_fp16(kw)
-                else:
-                    keys = _unpack(kw, 8, KEY_WORD).to(tl.int8).to(tl.float8e4nv, bitcast=True).to(DTYPE)
-                scores = tl.dot(q, tl.trans(keys), input_precision=PRECISION)
-            else:
-                if ASM:
-                    cent = _lut4_fp16(kw, key_lut_ptr)
-                else:
-                    cent = _centroids_sym16(_unpack(kw, 4, KEY_WORD), cent_ptr, DTYPE)  # the table in DTYPE, selected
-                scores = tl.dot(q, tl.trans(cent), input_precision=PRECISION)
-                cent = cent.to(tl.float32)
-                if NORM_CORRECTION:
-                    if NC_DOT:
-                        sumsq = tl.dot(ones, tl.trans((cent * cent).to(DTYPE)), input_precision=PRECISION)
-                        scores = scores * (knorm[None, :] / tl.sqrt(sumsq + 1e-16))
-                    else:
-                        factor = knorm / tl.sqrt(tl.sum(cent * cent, axis=1) + 1e-16)
-                        scores = scores * factor[None, :]
-                else:
-                    scores = scores * knorm[None, :]
-            scores = tl.where(valid[None, :], scores, float("-inf"))
-            p, alpha, m_i, l_i = _softmax_step(scores, m_i, l_i)
-
-            # ---- values: P.V = (P * scale) . code + P . zero, the codes as fp16 1024 + f * code with f = 1 in even
-            # columns and 16 in odd ones (the cheapest exact unpacking); the 1024 and f come out after the loop
-            ps = (p * vscale[None, :]).to(DTYPE)
-            zsum = zsum * alpha + tl.sum(p * vzero[None, :], axis=1)
-            psum = psum * alpha + tl.sum(ps.to(tl.float32), axis=1)
+        # ---- keys -> scores^T [BLOCK_N, BLOCK_H] = K . q^T: the positions are the dot's M side, the query group
+        # its N side (>= 8: a group of 4 pads to 8 columns, where q . K^T padded it to 16 rows)
+        if KEY_FP8:
             if ASM:
-                vcodes = _codes4_fp16_odd16(vw)
+                keys = _fp8x4_fp16(kw)
             else:
-                vcodes = _odd16_codes(_unpack(vw, 4, VALUE_WORD), D).to(DTYPE)
-            acc = tl.dot(ps, vcodes, acc * alpha[:, None])
+                keys = _unpack(kw, 8, KEY_WORD).to(tl.int8).to(tl.float8e4nv, bitcast=True).to(DTYPE)
+            scores = tl.dot(keys, tl.trans(q), input_precision=PRECISION)
+        else:
+            if ASM:
+                cent = _lut4_fp16(kw, key_lut_ptr)
+            else:
+                cent = _centroids_sym16(_unpack(kw, 4, KEY_WORD), cent_ptr, DTYPE)  # the table in DTYPE, selected
+            scores = tl.dot(cent, tl.trans(q), input_precision=PRECISION)
+            if NORM_CORRECTION:  # ||c||^2 by a dot with ones: on the tensor cores, in the scores' layout
+                sumsq = tl.dot((cent * cent).to(DTYPE), ones, input_precision=PRECISION)
+                scores = scores * (knorm[:, None] / tl.sqrt(sumsq + 1e-16))
+            else:
+                scores = scores * knorm[:, None]
+        scores = tl.where(valid[:, None], scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, axis=0))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(scores - m_new[None, :])
+        l_i = l_i * alpha + tl.sum(p, axis=0)
+        m_i = m_new
+
+        # ---- values: P.V = (P * scale) . code + P . zero, the codes as fp16 1024 + f * code with f = 1 in even
+        # columns and 16 in odd ones (the cheapest exact unpacking); the 1024 and f come out after the loop.
+        # acc^T [D, BLOCK_H] += V^T . (P * scale)^T
+        ps = (p * vscale[:, None]).to(DTYPE)
+        zsum = zsum * alpha + tl.sum(p * vzero[:, None], axis=0)
+        psum = psum * alpha + tl.sum(ps.to(tl.float32), axis=0)
+        if ASM:
+            vcodes = _codes4_fp16_odd16(vw)
+        else:
+            vcodes = _odd16_codes(_unpack(vw, 4, VALUE_WORD), D).to(DTYPE)
+        acc = tl.dot(tl.trans(vcodes), ps, acc * alpha[None, :], input_precision=PRECISION)
 
         if PREFETCH:
             kw, vw, vscale, vzero, knorm = kw_n, vw_n, vscale_n, vzero_n, knorm_n
@@ -789,12 +746,8 @@ def _decode_stream_kernel(
 
     inv = 1.0 / l_i
     f = tl.where((d & 1) == 1, 1.0 / 16.0, 1.0)  # exact: a power of two
-    if TRANSPOSED:
-        out = (acc - 1024.0 * psum[None, :]) * (f[:, None] * inv[None, :]) + (zsum * inv)[None, :]
-        tl.store(part_out_ptr + part[None, :] * D + d[:, None], out, mask=head_ok[None, :])
-    else:
-        out = (acc - 1024.0 * psum[:, None]) * (f[None, :] * inv[:, None]) + (zsum * inv)[:, None]
-        tl.store(part_out_ptr + part[:, None] * D + d[None, :], out, mask=head_ok[:, None])
+    out = (acc - 1024.0 * psum[None, :]) * (f[:, None] * inv[None, :]) + (zsum * inv)[None, :]
+    tl.store(part_out_ptr + part[None, :] * D + d[:, None], out, mask=head_ok[None, :])
     tl.store(part_lse_ptr + part, m_i + tl.log2(l_i), mask=head_ok)
 
 
@@ -815,8 +768,8 @@ def _merge_kernel(part_out_ptr, part_lse_ptr, out_ptr, s_ot, s_oh, s_od,
                   NUM_HEADS: tl.constexpr, D: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr,
                   CHUNK: tl.constexpr, GDC: tl.constexpr = False):
     """One (row, head): the splits' partial outputs weighted by their log-sum-exps. The partials are read in
-    chunks of ``CHUNK`` splits (:func:`merge_chunk`: at most 64, a [64, D] fp32 tile), so that a launch of
-    more splits (a small grid: one sequence, few kv heads) does not hold them all in registers."""
+    chunks of ``CHUNK`` splits (:func:`merge_chunk`: 128 up to head 128, 64 above), so that a launch of many
+    splits at a large head size does not hold them all in registers."""
     wait_and_release(GDC)
     row = tl.program_id(0)
     head = tl.program_id(1)
@@ -838,22 +791,15 @@ def _merge_kernel(part_out_ptr, part_lse_ptr, out_ptr, s_ot, s_oh, s_od,
     tl.store(out_ptr + row * s_ot + head * s_oh + d * s_od, out.to(out_ptr.dtype.element_ty))
 
 
-MERGE_CHUNK_ENV = "TQKV_MERGE_CHUNK"
-
-
-def merge_chunk(splits: int) -> int:
-    """The merge kernel's chunk: the splits' power of two, at most 64 (``TQKV_MERGE_CHUNK=128``: at most 128,
-    i.e. one pass up to 128 splits, the merge at 8 warps; an A/B for the next GPU session: at exactly 32768
-    positions k8v4's 66 splits cost 41.0 us against 64's 38.7, and a second chunk is one suspect)."""
-    most = int(os.environ.get(MERGE_CHUNK_ENV, "64"))
-    if most not in (64, 128):
-        raise ValueError(f"{MERGE_CHUNK_ENV}={most}: expected 64 or 128")
-    return min(triton.next_power_of_2(splits), most)
+def merge_chunk(splits: int, dim: int) -> int:
+    """The merge kernel's chunk of splits: their power of two, in one pass up to 128 splits at head sizes up to
+    128 (H200, 2026-12-04 19:58: k8v4 1 x 32768's 66 splits 37.6 -> 36.5 us against chunks of 64), chunks of
+    64 above (a [128, 256] fp32 tile would be 128 registers a thread at 8 warps; not measured)."""
+    return min(triton.next_power_of_2(splits), 128 if dim <= 128 else 64)
 
 
 def merge_warps(chunk: int) -> int:
-    """The merge kernel's warps: 4 up to a [64, D] chunk (as always), 8 for a [128, D] one (the same registers
-    a thread)."""
+    """The merge kernel's warps: 4 up to a [64, D] chunk, 8 for a [128, D] one (the same registers a thread)."""
     return 4 if chunk <= 64 else 8
 
 
@@ -1041,10 +987,10 @@ def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: t
                      rotation: torch.Tensor, centroids: torch.Tensor, *, splits: int | None = None,
                      block_n: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
                      kernel: str | None = None,
-                     prefetch: bool = False, nc_dot: bool | None = None, asm: bool = True,
+                     prefetch: bool = False, asm: bool = True,
                      maxnreg: int | None = None, lut: torch.Tensor | None = None,
                      index32: bool | None = None, signs: torch.Tensor | None = None,
-                     query_in_kernel: bool | None = None, transposed: bool | None = None, launch=None,
+                     query_in_kernel: bool | None = None, launch=None,
                      out: torch.Tensor | None = None) -> torch.Tensor:
     """query [T, Hq, D] -> out [T, Hq, D] (query dtype); see the module docstring and ops.attention.
     ``kernel``: "stream", "words" or "bytes" (default: :func:`default_kernel`); the other keywords are tuning
@@ -1082,11 +1028,10 @@ def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: t
         if not interpret and kernel == "stream" and preset.key_fp8 and programs >= 2 * _sm_count(query.device):
             block_n = 128
     # stream kernel: no hand prefetch by default (measured: the registers it holds cost more than it hides),
-    # registers capped on the GPU: 3 (4-bit keys) / 4 (fp8 keys) CTAs per SM without spills
+    # registers capped on the GPU at 128: 4 CTAs per SM without spills (H200, 2026-12-04 19:56, h200-tune.json:
+    # 4bit_nc 64x32768 2358 us at the cap of 168 that the untransposed tile needed, 2149 at 128)
     if kernel == "stream" and not interpret:
-        maxnreg = maxnreg or (128 if preset.key_fp8 else 168)
-    if nc_dot is None:
-        nc_dot = kernel == "stream"
+        maxnreg = maxnreg or 128
     if num_stages is None and kernel == "words" and preset.key_bits == 4:
         num_stages = 3
     if splits is None:
@@ -1117,18 +1062,17 @@ def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: t
             q = prepare_query(query, rotation if rotate else None, None, scale * LOG2E, _traced(launch))
             signs = q
         lut = lut if lut is not None else key_lut(preset, query.device)
-        transposed = transposed is not False
         launch(_decode_stream_kernel)[(rows, kv_heads, splits)](
             q, signs, kv_cache, block_table, seq_lens, query_start_loc, centroids, lut, part_out, part_lse,
             num_seqs, max_len, *q.stride(), *block_table.stride(),
             *(st // 2 for st in kv_cache.stride()[:3]),
-            GROUP=common["GROUP"], BLOCK_H=max(8 if transposed else 16, triton.next_power_of_2(group)), D=dim, BLOCK_SIZE=kv_cache.shape[1], BLOCK_N=block_n,
+            GROUP=common["GROUP"], BLOCK_H=max(8, triton.next_power_of_2(group)), D=dim, BLOCK_SIZE=kv_cache.shape[1], BLOCK_N=block_n,
             NUM_SPLITS=splits, SEARCH_STEPS=common["SEARCH_STEPS"], KEY_FP8=preset.key_fp8,
             KEY_CODE_BYTES=preset.key_code_bytes, NORM_CORRECTION=preset.norm_correction,
             VALUE_OFFSET=preset.key_bytes, VALUE_CODE_BYTES=preset.value_code_bytes, DOT_FP32=interpret,
-            KEY_WORD=words[0], VALUE_WORD=words[1], ASM=words[2], PREFETCH=prefetch, NC_DOT=nc_dot,
+            KEY_WORD=words[0], VALUE_WORD=words[1], ASM=words[2], PREFETCH=prefetch,
             INDEX32=index32 is not False and _halves_span(kv_cache) < 2**31,
-            QUERY_IN_KERNEL=query_in_kernel, ROTATE_QUERY=rotate and query_in_kernel, TRANSPOSED=transposed,
+            QUERY_IN_KERNEL=query_in_kernel, ROTATE_QUERY=rotate and query_in_kernel,
             Q_PRE=q_pre if query_in_kernel else 1.0, Q_POST=q_scale / q_pre if query_in_kernel else 1.0,
             num_warps=num_warps or 4, num_stages=num_stages or 1,
             **pdl,
@@ -1152,7 +1096,7 @@ def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: t
             *q.stride(), *block_table.stride(), *kv_cache.stride(),
             **common, num_warps=num_warps or 4, num_stages=num_stages or 2,
         )
-    chunk = merge_chunk(splits)
+    chunk = merge_chunk(splits, dim)
     launch(_merge_kernel)[(rows, heads)](
         part_out, part_lse, out, *out.stride(),
         NUM_HEADS=heads, D=dim, NUM_SPLITS=splits, SPLITS_P2=triton.next_power_of_2(splits), CHUNK=chunk,

@@ -317,7 +317,7 @@ def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: t
     rotated = torch.empty(rows, heads, dim, dtype=torch.float32, device=query.device)
     _merge_kernel[(rows, heads)](part_out, part_lse, rotated, *rotated.stride(), NUM_HEADS=heads, D=dim,
                                  NUM_SPLITS=splits, SPLITS_P2=triton.next_power_of_2(splits),
-                                 CHUNK=(chunk := merge_chunk(splits)), num_warps=merge_warps(chunk))
+                                 CHUNK=(chunk := merge_chunk(splits, dim)), num_warps=merge_warps(chunk))
     return torch.matmul(rotated, rotation).to(query.dtype)  # back from the rotated basis (H is symmetric)
 
 

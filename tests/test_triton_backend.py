@@ -381,10 +381,9 @@ def test_both_kernels_read_unaligned_slots(preset_name, kernel):
     torch.testing.assert_close(out.float(), expected.float(), **_tolerance(torch.float16))
 
 
-@pytest.mark.parametrize("variant", [dict(prefetch=True), dict(prefetch=False, nc_dot=True),
+@pytest.mark.parametrize("variant", [dict(prefetch=True), dict(prefetch=False),
                                      dict(prefetch=False, index32=False), dict(query_in_kernel=True),
-                                     dict(query_in_kernel=False), dict(transposed=False),
-                                     dict(transposed=False, query_in_kernel=False, prefetch=True)])
+                                     dict(query_in_kernel=False)])
 @pytest.mark.parametrize("dim", HEAD_DIMS)
 @pytest.mark.parametrize("preset_name", ["turboquant_k8v4", "turboquant_4bit_nc", "tqkv_4bit_pc"])
 def test_stream_kernel_matches_reference(preset_name, dim, variant):
@@ -437,24 +436,20 @@ def test_stream_kernel_with_more_splits_than_tiles(splits):
     torch.testing.assert_close(out.float(), expected.float(), **_tolerance(torch.float16))
 
 
-@pytest.mark.parametrize("most", ["64", "128"])
-def test_merge_reads_every_chunk_of_splits(monkeypatch, most):
-    """More splits than one merge chunk (64), each holding a part of the context: an answer that dropped a
-    chunk, or weighted one with another chunk's maximum, would miss the reference. ``TQKV_MERGE_CHUNK=128``
-    (an A/B switch): one pass, 8 warps."""
+@pytest.mark.parametrize("dim", [64, 256])
+def test_merge_reads_every_chunk_of_splits(dim):
+    """100 splits, each holding a part of the context: one merge pass of 128 at head 64, two chunks of 64 at
+    head 256. An answer that dropped a chunk, or weighted one with another chunk's maximum, would miss the
+    reference."""
     from tqkv_compile.lowerings.triton_attention import merge_chunk, merge_warps
 
-    monkeypatch.setenv("TQKV_MERGE_CHUNK", most)
-    chunks = (merge_chunk(7), merge_chunk(64), merge_chunk(66), merge_chunk(128))
-    assert chunks == ((8, 64, 64, 64) if most == "64" else (8, 64, 128, 128))
-    assert [merge_warps(c) for c in chunks] == ([4, 4, 4, 4] if most == "64" else [4, 4, 8, 8])
-    preset = get_preset("turboquant_k8v4", 64)
+    chunks = [merge_chunk(n, dim) for n in (7, 64, 66, 128)]
+    assert chunks == ([8, 64, 128, 128] if dim == 64 else [8, 64, 64, 64])
+    assert [merge_warps(c) for c in chunks] == ([4, 4, 8, 8] if dim == 64 else [4, 4, 4, 4])
+    preset = get_preset("turboquant_k8v4", dim)
     out, expected = _attention_both(preset, 4, torch.float16, [1], [16 * 100], seed=9, kernel="stream",
                                     block_n=16, splits=100)
     torch.testing.assert_close(out.float(), expected.float(), **_tolerance(torch.float16))
-    monkeypatch.setenv("TQKV_MERGE_CHUNK", "96")
-    with pytest.raises(ValueError, match="TQKV_MERGE_CHUNK"):
-        merge_chunk(100)
 
 
 def test_dependent_launch_only_on_a_gpu_when_asked_and_never_traced(monkeypatch):
