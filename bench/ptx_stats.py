@@ -106,6 +106,8 @@ def stream_kernel(preset_name: str, dim: int, block_n: int, warps: int, maxnreg:
         constexprs.update(MERGE=merge)
     elif merge:
         print("--merge: this tree's kernel has no in-launch merge (removed after bd688d7); ignored", file=sys.stderr)
+    if "KEY_BITS" in ta._decode_stream_kernel.arg_names:  # (trees before the 3-bit fields)
+        constexprs.update(KEY_BITS=p.key_bits, VALUE_BITS=p.value_bits)
     if "GDC" in ta._decode_stream_kernel.arg_names:
         constexprs.update(GDC=pdl)
     if "NC_DOT" in ta._decode_stream_kernel.arg_names:  # trees up to 07a1e9e: the query group as the dots' M side

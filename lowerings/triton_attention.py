@@ -454,10 +454,12 @@ def _decode_words_kernel(
 
 
 @triton.jit
-def _load_field_h(eptr, base_h, offset: tl.constexpr, nbytes: tl.constexpr, WORD: tl.constexpr):
+def _load_field_h(eptr, base_h, offset: tl.constexpr, nbytes: tl.constexpr, WORD: tl.constexpr,
+                  THIRDS: tl.constexpr = False):
     """The nbytes-byte field at byte offset ``offset`` of the slots at ``base_h`` (2-byte units) as WORD-byte
-    little-endian words, int32 [N, nbytes / WORD] (zero-extended); unmasked."""
-    j = tl.arange(0, nbytes // WORD)
+    little-endian words, int32 [N, nbytes / WORD] (zero-extended); unmasked. With THIRDS (3-bit codes, 2-byte
+    words): int32 [N, nbytes / 6, 2], each group of 16 codes (three words w0, w1, w2) as (w0 | w1 << 16, w2),
+    its three loads in one layout so that each thread holds a whole group (no exchange between lanes)."""
     if WORD == 2:
         word = base_h + offset // 2
     else:  # 4-byte words: base_h + offset / 2 is even (the host checked the alignment), >= 0
@@ -465,9 +467,17 @@ def _load_field_h(eptr, base_h, offset: tl.constexpr, nbytes: tl.constexpr, WORD
     # not masked: past the end a position's block id loads as 0 (_tile_base), so its address is a slot of
     # block 0, inside the cache; what it reads there is dropped (its score is -inf, its p is 0, and code
     # lookups are finite, fp8 keys' NaN included: the score is replaced)
-    raw = tl.load(eptr + word[:, None] + j[None, :])
-    if WORD == 2:
-        raw = raw.to(tl.int32) & 0xFFFF
+    if THIRDS:
+        g = tl.arange(0, nbytes // 6) * 3
+        w0 = tl.load(eptr + word[:, None] + g[None, :]).to(tl.int32) & 0xFFFF
+        w1 = tl.load(eptr + word[:, None] + (g + 1)[None, :]).to(tl.int32) & 0xFFFF
+        w2 = tl.load(eptr + word[:, None] + (g + 2)[None, :]).to(tl.int32) & 0xFFFF
+        raw = tl.join(w0 | (w1 << 16), w2)
+    else:
+        j = tl.arange(0, nbytes // WORD)
+        raw = tl.load(eptr + word[:, None] + j[None, :])
+        if WORD == 2:
+            raw = raw.to(tl.int32) & 0xFFFF
     return raw
 
 
@@ -578,6 +588,93 @@ def _fp8x4_fp16(words):
 
 
 @triton.jit
+def _quads3(words):
+    """:func:`_load_field_h`'s THIRDS tile [N, G, 2] -> four int32 [N, G] whose low 12 bits hold codes 4 q ..
+    4 q + 3 of each group of 16 (48 bits, little-endian: code k at bit 3 k); register-local."""
+    lo, hi = tl.split(words)  # bits 0-31, bits 32-47
+    return lo, lo >> 12, ((lo >> 24) & 0xFF) | (hi << 8), hi >> 4
+
+
+@triton.jit
+def _join16(c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15):
+    """Sixteen [N, G] tensors -> [N, 16 G]: column 16 g + k holds the k-th tensor's column g (tl.join adds a
+    last axis; the flattening takes the innermost join's axis as the most significant)."""
+    even = tl.join(tl.join(tl.join(c0, c8), tl.join(c4, c12)), tl.join(tl.join(c2, c10), tl.join(c6, c14)))
+    odd = tl.join(tl.join(tl.join(c1, c9), tl.join(c5, c13)), tl.join(tl.join(c3, c11), tl.join(c7, c15)))
+    x = tl.join(even, odd)
+    return tl.reshape(x, (c0.shape[0], c0.shape[1] * 16))
+
+
+@triton.jit
+def _codes3(x, k: tl.constexpr):
+    return (x >> (3 * k)) & 7
+
+
+@triton.jit
+def _keys3(words, lut_ptr, cent_ptr, ASM: tl.constexpr, DTYPE: tl.constexpr):
+    """3-bit Lloyd-Max key codes (a THIRDS tile) -> their centroids [N, D] in natural order, in DTYPE: by byte
+    permutes on the GPU (:func:`_lut3_fp16`), by a select tree otherwise."""
+    x0, x1, x2, x3 = _quads3(words)
+    if ASM:
+        a0, a1, a2, a3 = _lut3_fp16(x0, lut_ptr)
+        b0, b1, b2, b3 = _lut3_fp16(x1, lut_ptr)
+        c0, c1, c2, c3 = _lut3_fp16(x2, lut_ptr)
+        d0, d1, d2, d3 = _lut3_fp16(x3, lut_ptr)
+    else:
+        a0, a1, a2, a3 = (_centroids(_codes3(x0, 0), cent_ptr, 3).to(DTYPE), _centroids(_codes3(x0, 1), cent_ptr, 3).to(DTYPE),
+                          _centroids(_codes3(x0, 2), cent_ptr, 3).to(DTYPE), _centroids(_codes3(x0, 3), cent_ptr, 3).to(DTYPE))
+        b0, b1, b2, b3 = (_centroids(_codes3(x1, 0), cent_ptr, 3).to(DTYPE), _centroids(_codes3(x1, 1), cent_ptr, 3).to(DTYPE),
+                          _centroids(_codes3(x1, 2), cent_ptr, 3).to(DTYPE), _centroids(_codes3(x1, 3), cent_ptr, 3).to(DTYPE))
+        c0, c1, c2, c3 = (_centroids(_codes3(x2, 0), cent_ptr, 3).to(DTYPE), _centroids(_codes3(x2, 1), cent_ptr, 3).to(DTYPE),
+                          _centroids(_codes3(x2, 2), cent_ptr, 3).to(DTYPE), _centroids(_codes3(x2, 3), cent_ptr, 3).to(DTYPE))
+        d0, d1, d2, d3 = (_centroids(_codes3(x3, 0), cent_ptr, 3).to(DTYPE), _centroids(_codes3(x3, 1), cent_ptr, 3).to(DTYPE),
+                          _centroids(_codes3(x3, 2), cent_ptr, 3).to(DTYPE), _centroids(_codes3(x3, 3), cent_ptr, 3).to(DTYPE))
+    return _join16(a0, a1, a2, a3, b0, b1, b2, b3, c0, c1, c2, c3, d0, d1, d2, d3)
+
+
+@triton.jit
+def _values3_f16(words):
+    """3-bit uniform value codes (a THIRDS tile) -> fp16 1024 + code [N, D] in natural order (exact)."""
+    x0, x1, x2, x3 = _quads3(words)
+    return _join16(_codes_f16(_codes3(x0, 0)), _codes_f16(_codes3(x0, 1)), _codes_f16(_codes3(x0, 2)),
+                   _codes_f16(_codes3(x0, 3)), _codes_f16(_codes3(x1, 0)), _codes_f16(_codes3(x1, 1)),
+                   _codes_f16(_codes3(x1, 2)), _codes_f16(_codes3(x1, 3)), _codes_f16(_codes3(x2, 0)),
+                   _codes_f16(_codes3(x2, 1)), _codes_f16(_codes3(x2, 2)), _codes_f16(_codes3(x2, 3)),
+                   _codes_f16(_codes3(x3, 0)), _codes_f16(_codes3(x3, 1)), _codes_f16(_codes3(x3, 2)),
+                   _codes_f16(_codes3(x3, 3)))
+
+
+@triton.jit
+def _lut3_fp16(words, lut_ptr):
+    """int32 [N, G] whose low 12 bits hold four 3-bit codes -> four fp16 [N, G], each code looked up in an
+    8-entry fp16 table by byte permutes (PTX ``prmt``; GPU only): the codes spread into the nibbles of a
+    selector (three shifts, three lop3), then prmt picks the low and the high bytes from the table's halves and
+    two prmt pair them. The table: :func:`key_lut`'s words 0, 1 (low bytes of entries 0-3, 4-7) and 4, 5
+    (high bytes)."""
+    t0, t1, t2, t3 = tl.load(lut_ptr + 0), tl.load(lut_ptr + 1), tl.load(lut_ptr + 4), tl.load(lut_ptr + 5)
+    return tl.inline_asm_elementwise(
+        """{
+        .reg .b32 s, a, lo, hi, p, q;
+        and.b32 s, $4, 7;
+        shl.b32 a, $4, 1;
+        lop3.b32 s, s, a, 0x70, 0xF8;
+        shl.b32 a, $4, 2;
+        lop3.b32 s, s, a, 0x700, 0xF8;
+        shl.b32 a, $4, 3;
+        lop3.b32 s, s, a, 0x7000, 0xF8;
+        prmt.b32 lo, $5, $6, s;
+        prmt.b32 hi, $7, $8, s;
+        prmt.b32 p, lo, hi, 0x5140;
+        prmt.b32 q, lo, hi, 0x7362;
+        mov.b32 {$0, $1}, p;
+        mov.b32 {$2, $3}, q;
+        }""",
+        "=h,=h,=h,=h,r,r,r,r,r",
+        [words, t0, t1, t2, t3],
+        dtype=(tl.float16, tl.float16, tl.float16, tl.float16), is_pure=True, pack=1)
+
+
+@triton.jit
 def _stream_query(q_ptr, signs_ptr, row, q_heads, head_ok, s_qt, s_qh, s_qd, D: tl.constexpr,
                   BLOCK_H: tl.constexpr, ROTATE: tl.constexpr, Q_PRE: tl.constexpr, Q_POST: tl.constexpr,
                   DTYPE: tl.constexpr, PRECISION: tl.constexpr):
@@ -610,8 +707,8 @@ def _decode_stream_kernel(
     h_blk, h_pos, h_head,
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, SEARCH_STEPS: tl.constexpr,
-    KEY_FP8: tl.constexpr, KEY_CODE_BYTES: tl.constexpr, NORM_CORRECTION: tl.constexpr,
-    VALUE_OFFSET: tl.constexpr, VALUE_CODE_BYTES: tl.constexpr,
+    KEY_FP8: tl.constexpr, KEY_BITS: tl.constexpr, KEY_CODE_BYTES: tl.constexpr, NORM_CORRECTION: tl.constexpr,
+    VALUE_BITS: tl.constexpr, VALUE_OFFSET: tl.constexpr, VALUE_CODE_BYTES: tl.constexpr,
     DOT_FP32: tl.constexpr, KEY_WORD: tl.constexpr, VALUE_WORD: tl.constexpr, PREFETCH: tl.constexpr,
     ASM: tl.constexpr, INDEX32: tl.constexpr,
     QUERY_IN_KERNEL: tl.constexpr, ROTATE_QUERY: tl.constexpr, Q_PRE: tl.constexpr, Q_POST: tl.constexpr,
@@ -665,8 +762,8 @@ def _decode_stream_kernel(
 
     base, valid = _tile_base(bt_row, s_bm, begin, end, n, kv_head, h_blk, h_pos, h_head, BLOCK_SIZE,
                                INDEX32)
-    kw = _load_field_h(kptr, base, 0, KEY_CODE_BYTES, KEY_WORD)
-    vw = _load_field_h(vptr, base, VALUE_OFFSET, VALUE_CODE_BYTES, VALUE_WORD)
+    kw = _load_field_h(kptr, base, 0, KEY_CODE_BYTES, KEY_WORD, KEY_BITS == 3)
+    vw = _load_field_h(vptr, base, VALUE_OFFSET, VALUE_CODE_BYTES, VALUE_WORD, VALUE_BITS == 3)
     vscale = _load_half_h(hptr, base, valid, VALUE_OFFSET + VALUE_CODE_BYTES)
     vzero = _load_half_h(hptr, base, valid, VALUE_OFFSET + VALUE_CODE_BYTES + 2)
     if KEY_FP8:
@@ -679,8 +776,8 @@ def _decode_stream_kernel(
     for start in range(begin, end, BLOCK_N):
         if PREFETCH:
             # issue the next tile's loads and the block ids after it; the math below runs while they fly
-            kw_n = _load_field_h(kptr, base_next, 0, KEY_CODE_BYTES, KEY_WORD)
-            vw_n = _load_field_h(vptr, base_next, VALUE_OFFSET, VALUE_CODE_BYTES, VALUE_WORD)
+            kw_n = _load_field_h(kptr, base_next, 0, KEY_CODE_BYTES, KEY_WORD, KEY_BITS == 3)
+            vw_n = _load_field_h(vptr, base_next, VALUE_OFFSET, VALUE_CODE_BYTES, VALUE_WORD, VALUE_BITS == 3)
             vscale_n = _load_half_h(hptr, base_next, valid_next, VALUE_OFFSET + VALUE_CODE_BYTES)
             vzero_n = _load_half_h(hptr, base_next, valid_next, VALUE_OFFSET + VALUE_CODE_BYTES + 2)
             if KEY_FP8:
@@ -700,7 +797,9 @@ def _decode_stream_kernel(
                 keys = _unpack(kw, 8, KEY_WORD).to(tl.int8).to(tl.float8e4nv, bitcast=True).to(DTYPE)
             scores = tl.dot(keys, tl.trans(q), input_precision=PRECISION)
         else:
-            if ASM:
+            if KEY_BITS == 3:
+                cent = _keys3(kw, key_lut_ptr, cent_ptr, ASM, DTYPE)
+            elif ASM:
                 cent = _lut4_fp16(kw, key_lut_ptr)
             else:
                 cent = _centroids_sym16(_unpack(kw, 4, KEY_WORD), cent_ptr, DTYPE)  # the table in DTYPE, selected
@@ -723,7 +822,9 @@ def _decode_stream_kernel(
         ps = (p * vscale[:, None]).to(DTYPE)
         zsum = zsum * alpha + tl.sum(p * vzero[:, None], axis=0)
         psum = psum * alpha + tl.sum(ps.to(tl.float32), axis=0)
-        if ASM:
+        if VALUE_BITS == 3:
+            vcodes = _values3_f16(vw).to(DTYPE)
+        elif ASM:
             vcodes = _codes4_fp16_odd16(vw)
         else:
             vcodes = _odd16_codes(_unpack(vw, 4, VALUE_WORD), D).to(DTYPE)
@@ -735,8 +836,8 @@ def _decode_stream_kernel(
         else:
             base, valid_t = _tile_base(bt_row, s_bm, start + BLOCK_N, end, n, kv_head, h_blk, h_pos, h_head,
                                        BLOCK_SIZE, INDEX32)
-            kw = _load_field_h(kptr, base, 0, KEY_CODE_BYTES, KEY_WORD)
-            vw = _load_field_h(vptr, base, VALUE_OFFSET, VALUE_CODE_BYTES, VALUE_WORD)
+            kw = _load_field_h(kptr, base, 0, KEY_CODE_BYTES, KEY_WORD, KEY_BITS == 3)
+            vw = _load_field_h(vptr, base, VALUE_OFFSET, VALUE_CODE_BYTES, VALUE_WORD, VALUE_BITS == 3)
             vscale = _load_half_h(hptr, base, valid_t, VALUE_OFFSET + VALUE_CODE_BYTES)
             vzero = _load_half_h(hptr, base, valid_t, VALUE_OFFSET + VALUE_CODE_BYTES + 2)
             if KEY_FP8:
@@ -745,7 +846,10 @@ def _decode_stream_kernel(
                 knorm = _load_half_h(hptr, base, valid_t, KEY_CODE_BYTES)
 
     inv = 1.0 / l_i
-    f = tl.where((d & 1) == 1, 1.0 / 16.0, 1.0)  # exact: a power of two
+    if VALUE_BITS == 3:
+        f = tl.full((D,), 1.0, tl.float32)
+    else:
+        f = tl.where((d & 1) == 1, 1.0 / 16.0, 1.0)  # exact: a power of two
     out = (acc - 1024.0 * psum[None, :]) * (f[:, None] * inv[None, :]) + (zsum * inv)[None, :]
     tl.store(part_out_ptr + part[None, :] * D + d[:, None], out, mask=head_ok[None, :])
     tl.store(part_lse_ptr + part, m_i + tl.log2(l_i), mask=head_ok)
@@ -876,10 +980,11 @@ def _halves_span(kv_cache: torch.Tensor) -> int:
 
 def stream_words(preset: Preset, kv_cache: torch.Tensor, asm: bool) -> tuple[int, int, bool] | None:
     """(key word bytes, value word bytes, asm) the stream kernel reads this cache with, or None where it
-    cannot: it takes fp8 or 4-bit Lloyd-Max keys with 4-bit uniform values of vLLM's layout, from
-    byte-contiguous slots whose fields and strides are multiples of the word. The asm lookups (GPU) read
-    4-bit codes as 16-bit words (four codes each) and fp8 keys as 32-bit words."""
-    if not (preset.key_fp8 or preset.key_bits == 4) or preset.value_bits != 4 or not preset.vllm_layout:
+    cannot: it takes vLLM's four layouts (fp8, 4-bit or 3-bit Lloyd-Max keys; 4-bit or 3-bit uniform values),
+    from byte-contiguous slots whose fields and strides are multiples of the word. The asm lookups (GPU) read
+    4-bit codes as 16-bit words (four codes each) and fp8 keys as 32-bit words; 3-bit fields are always read
+    as 16-bit words (three to 16 codes)."""
+    if not (preset.key_fp8 or preset.key_bits in (3, 4)) or preset.value_bits not in (3, 4) or not preset.vllm_layout:
         return None
     if kv_cache.dtype != torch.uint8 or kv_cache.stride(3) != 1:
         return None
@@ -890,8 +995,8 @@ def stream_words(preset: Preset, kv_cache: torch.Tensor, asm: bool) -> tuple[int
 
     if not fits(2, preset.key_code_bytes, preset.key_bytes, preset.value_code_bytes):
         return None
-    key_word = 4 if fits(4, preset.key_code_bytes) else 2
-    value_word = 4 if fits(4, preset.key_bytes, preset.value_code_bytes) else 2
+    key_word = 4 if fits(4, preset.key_code_bytes) and preset.key_bits != 3 else 2
+    value_word = 4 if fits(4, preset.key_bytes, preset.value_code_bytes) and preset.value_bits != 3 else 2
     asm = asm and (key_word == 4 or not preset.key_fp8)
     if asm:
         value_word = 2
@@ -913,13 +1018,16 @@ def _lut_words(table: torch.Tensor) -> torch.Tensor:
 
 
 def key_lut(preset: Preset, device: torch.device) -> torch.Tensor:
-    """The stream kernel's key table for :func:`_lut4_fp16` on ``device``, built once (from the CPU tables, so
-    no device-to-host copy): the 16 key centroids in fp16 (a placeholder for fp8 keys). Built before CUDA-graph
-    capture by ``TritonBackend.warm``. (Uniform value codes need no table: :func:`_codes4_fp16_odd16`.)"""
+    """The stream kernel's key table for :func:`_lut4_fp16` / :func:`_lut3_fp16` on ``device``, built once (from
+    the CPU tables, so no device-to-host copy): the key centroids in fp16, 3-bit tables padded to 16 entries
+    with zeros (a placeholder for fp8 keys). Built before CUDA-graph capture by ``TritonBackend.warm``.
+    (Uniform value codes need no table: :func:`_codes4_fp16_odd16`, :func:`_values3_f16`.)"""
     key = (preset.name, preset.head_dim, str(device))
     if key not in _LUTS:
-        four_bit_keys = not preset.key_fp8 and preset.key_bits == 4
-        cents = preset.centroids("cpu").float() if four_bit_keys else torch.zeros(16, dtype=torch.float32)
+        cents = torch.zeros(16, dtype=torch.float32)
+        if not preset.key_fp8:
+            table = preset.centroids("cpu").float()
+            cents[:table.numel()] = table
         _LUTS[key] = _lut_words(cents).to(device)
     return _LUTS[key]
 
@@ -943,7 +1051,7 @@ def column_order(preset: Preset, device: torch.device) -> torch.Tensor:
 
 def default_kernel(preset: Preset, programs: int, kv_cache: torch.Tensor, device: torch.device) -> str:
     """The kernel measured fastest on the H200 (bench/results/h200-kernels-notes.md): the stream kernel
-    wherever it can read the cache (fp8 or 4-bit keys with 4-bit values: k8v4, 4bit_nc); for 3-bit fields
+    wherever it can read the cache (vLLM's four presets from a byte-contiguous, 2-byte-aligned view); else, for 3-bit fields
     the word kernel when (row, kv head) programs fill the GPU twice over (3-bit values), the byte kernel
     otherwise (under the interpreter: the word kernel wherever it applies, so that tests cover it)."""
     if stream_words(preset, kv_cache, asm=device.type == "cuda") is not None:
@@ -1028,10 +1136,11 @@ def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: t
         if not interpret and kernel == "stream" and preset.key_fp8 and programs >= 2 * _sm_count(query.device):
             block_n = 128
     # stream kernel: no hand prefetch by default (measured: the registers it holds cost more than it hides),
-    # registers capped on the GPU at 128: 4 CTAs per SM without spills (H200, 2026-12-04 19:56, h200-tune.json:
-    # 4bit_nc 64x32768 2358 us at the cap of 168 that the untransposed tile needed, 2149 at 128)
+    # registers capped on the GPU at 128: 4 CTAs per SM without spills at heads up to 128 (H200, 2026-12-04
+    # 19:56, h200-tune.json: 4bit_nc 64x32768 2358 us at the cap of 168 that the untransposed tile needed, 2149
+    # at 128); 168 at head 256, where 128 spills ~0.5 KB a thread (sm_90a compile; not timed)
     if kernel == "stream" and not interpret:
-        maxnreg = maxnreg or 128
+        maxnreg = maxnreg or (128 if dim <= 128 else 168)
     if num_stages is None and kernel == "words" and preset.key_bits == 4:
         num_stages = 3
     if splits is None:
@@ -1068,8 +1177,8 @@ def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: t
             *(st // 2 for st in kv_cache.stride()[:3]),
             GROUP=common["GROUP"], BLOCK_H=max(8, triton.next_power_of_2(group)), D=dim, BLOCK_SIZE=kv_cache.shape[1], BLOCK_N=block_n,
             NUM_SPLITS=splits, SEARCH_STEPS=common["SEARCH_STEPS"], KEY_FP8=preset.key_fp8,
-            KEY_CODE_BYTES=preset.key_code_bytes, NORM_CORRECTION=preset.norm_correction,
-            VALUE_OFFSET=preset.key_bytes, VALUE_CODE_BYTES=preset.value_code_bytes, DOT_FP32=interpret,
+            KEY_BITS=preset.key_bits, KEY_CODE_BYTES=preset.key_code_bytes, NORM_CORRECTION=preset.norm_correction,
+            VALUE_BITS=preset.value_bits, VALUE_OFFSET=preset.key_bytes, VALUE_CODE_BYTES=preset.value_code_bytes, DOT_FP32=interpret,
             KEY_WORD=words[0], VALUE_WORD=words[1], ASM=words[2], PREFETCH=prefetch,
             INDEX32=index32 is not False and _halves_span(kv_cache) < 2**31,
             QUERY_IN_KERNEL=query_in_kernel, ROTATE_QUERY=rotate and query_in_kernel,

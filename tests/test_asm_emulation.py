@@ -98,3 +98,21 @@ def test_centroid_lookup_by_byte_permutes_gives_the_fp16_table_entries():
     table = preset.centroids("cpu").to(torch.float16).numpy()
     for k in range(4):
         np.testing.assert_array_equal(got[k], table[(words >> (4 * k)) & 0xF])
+
+
+@pytest.mark.parametrize("preset_name", ["turboquant_k3v4_nc", "turboquant_3bit_nc"])
+def test_3bit_centroid_lookup_by_byte_permutes_gives_the_fp16_table_entries(preset_name):
+    """_lut3_fp16 (3-bit Lloyd-Max keys): the four codes in a word's low 12 bits -> their fp16 centroids, for
+    every 16-bit word (the bits above 12 must not matter: the kernel hands it words with other codes there)."""
+    import torch
+
+    from tqkv_compile.codec import get_preset
+
+    preset = get_preset(preset_name, 128)
+    lut = triton_attention.key_lut(preset, torch.device("cpu")).tolist()
+    words = np.arange(1 << 16, dtype=np.uint32)
+    got = _run_asm(triton_attention._lut3_fp16, words, [lut[0], lut[1], lut[4], lut[5]])
+    table = preset.centroids("cpu").to(torch.float16).numpy()
+    assert table.shape == (8,)
+    for k in range(4):
+        np.testing.assert_array_equal(got[k], table[(words >> (3 * k)) & 7])

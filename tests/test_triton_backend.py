@@ -385,7 +385,8 @@ def test_both_kernels_read_unaligned_slots(preset_name, kernel):
                                      dict(prefetch=False, index32=False), dict(query_in_kernel=True),
                                      dict(query_in_kernel=False)])
 @pytest.mark.parametrize("dim", HEAD_DIMS)
-@pytest.mark.parametrize("preset_name", ["turboquant_k8v4", "turboquant_4bit_nc", "tqkv_4bit_pc"])
+@pytest.mark.parametrize("preset_name", ["turboquant_k8v4", "turboquant_4bit_nc", "tqkv_4bit_pc", "turboquant_k3v4_nc",
+                                         "turboquant_3bit_nc"])
 def test_stream_kernel_matches_reference(preset_name, dim, variant):
     """The stream kernel (word loads in natural order, next tile prefetched; int64 indexing as for caches over
     2^31 half-words; the query rotated in the kernel, or by prepare_query's launch) on decode and mixed rows, with lengths that end mid-tile and mid-split. Every byte the
