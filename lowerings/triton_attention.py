@@ -5,8 +5,8 @@ serves one query row's whole query-head group (padded to ``BLOCK_H`` >= 16, the 
 stream kernel turns its dots around: >= 8, their N side) over one split of that row's causal context, in tiles
 of ``BLOCK_N`` positions:
 
-- keys: codes unpacked in registers, centroids chosen by a select tree over the code bits (no memory
-  gather); scores = dot(q @ H, centroids) * ||k|| / ||c|| (nc), or dot(q, fp8 keys). The query is rotated
+- keys: codes unpacked in registers, centroids chosen by a select tree over the code bits, or on the GPU by
+  byte permutes from an fp16 table in registers (no memory gather); scores = dot(q @ H, centroids) * ||k|| / ||c|| (nc), or dot(q, fp8 keys). The query is rotated
   and scaled by ``scale * log2(e)`` once, in a launch before the kernel (:mod:`triton_query`); for fp8 keys
   (scaled, not rotated) the stream kernel's programs do it themselves (``_stream_query``, which can also
   rotate by vLLM's Hadamard: measured slower, so off);
@@ -714,8 +714,8 @@ def _decode_stream_kernel(
     QUERY_IN_KERNEL: tl.constexpr, ROTATE_QUERY: tl.constexpr, Q_PRE: tl.constexpr, Q_POST: tl.constexpr,
     GDC: tl.constexpr = False,
 ):
-    """The split kernel's contract (see :func:`_decode_split_kernel`) for fp8 or 4-bit Lloyd-Max keys with
-    4-bit uniform values (k8v4, 4bit_nc), a cache whose last stride is 1 and whose fields are WORD-byte
+    """The split kernel's contract (see :func:`_decode_split_kernel`) for fp8, 4-bit or 3-bit Lloyd-Max keys
+    with 4-bit or 3-bit uniform values (vLLM's four presets), a cache whose last stride is 1 and whose fields are WORD-byte
     aligned, its strides given in 2-byte units (h_blk, h_pos, h_head; int32 indexing with INDEX32, when the
     view spans fewer than 2^31 such units): every field is read as WORD-byte words and unpacked into natural
     coordinate order (no query permutation). Its dots are turned around against the other kernels': scores^T =

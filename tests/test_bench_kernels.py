@@ -20,3 +20,19 @@ def test_small_cases_cycle_through_enough_block_tables_to_leave_the_l2_cold():
     assert rotations(1 * 4096 * 1072, H200_L2) == 48
     assert rotations(100, H200_L2) == 64
     assert rotations(0, H200_L2) == 1
+
+
+def test_summary_names_kv_write_cases_by_tokens_and_rates_against_the_same_case(capsys):
+    """kv_write records carry issue 4's fields (B = tokens, L = 0); the summary names them by their tokens
+    and divides vLLM's time by ours for the same token count only."""
+    from tqkv_compile.bench_kernels import _summary
+
+    records = [{"meta": {}},
+               {"op": "kv_write", "B": 64, "L": 0, "impl": "tqkv", "preset": "p", "us": 4.0},
+               {"op": "kv_write", "B": 64, "L": 0, "impl": "vllm_tq", "preset": "p", "us": 20.0},
+               {"op": "kv_write", "B": 8192, "L": 0, "impl": "tqkv", "preset": "p", "us": 200.0},
+               {"op": "kv_write", "B": 8192, "L": 0, "impl": "vllm_tq", "preset": "p", "us": 250.0}]
+    _summary(records)
+    lines = [line.split() for line in capsys.readouterr().out.splitlines() if line.startswith("kv_write")]
+    assert [(row[1], row[3], row[-1]) for row in lines if row[3] == "tqkv"] == [("64", "tqkv", "5.00"),
+                                                                              ("8192", "tqkv", "1.25")]

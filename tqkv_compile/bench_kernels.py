@@ -8,8 +8,8 @@ way ``shared/gpu/baselines/decode_kernels_vllm020.py`` does.
     python -m tqkv_compile.bench_kernels --out bench/results/h200-kernels.json --plot bench/results/h200-kernels.png
     python -m tqkv_compile.bench_kernels --check      # Triton backend vs the reference on this GPU
 
-Writes a JSON list of records ``{"op", "B", "L", "impl", "preset", "us", "GBps"}`` (kv_write: ``L`` is the
-token count, ``B`` is 1; ``--prefill BxL``: op ``prefill``, B whole prompts of L tokens, no GBps; its ``vllm_tq`` record, FA2 on the
+Writes a JSON list of records ``{"op", "B", "L", "impl", "preset", "us", "GBps"}`` (kv_write: ``B`` is the
+token count, ``L`` is 0, as issue 4 asks; result files before 2026-12-04 20:40 have it the other way round; ``--prefill BxL``: op ``prefill``, B whole prompts of L tokens, no GBps; its ``vllm_tq`` record, FA2 on the
 raw keys and values, has preset ``raw_kv``: it is the same for every preset) and one
 ``{"meta": {...}}`` record.
 """
@@ -217,10 +217,10 @@ def _write_case(records, T, presets, vllm):
             write = lambda: kv_write(key, value, cache, slots, p, rotation, midpoints, centroids=centroids)  # noqa: E731
         try:
             us, how = _time_us(write)
-            _record(records, op="kv_write", B=1, L=T, impl="tqkv", preset=name, us=round(us, 1),
+            _record(records, op="kv_write", B=T, L=0, impl="tqkv", preset=name, us=round(us, 1),
                     GBps=round(nbytes / us / 1e3, 1), timing=how)
         except Exception as exc:  # noqa: BLE001
-            _record(records, op="kv_write", B=1, L=T, impl="tqkv", preset=name, error=str(exc)[:300])
+            _record(records, op="kv_write", B=T, L=0, impl="tqkv", preset=name, error=str(exc)[:300])
         if vllm is None or p.spec.vllm_name is None:
             continue
         cfg = vllm["TurboQuantConfig"].from_cache_dtype(name, D)
@@ -233,7 +233,7 @@ def _write_case(records, T, presets, vllm):
                                          key_fp8=cfg.key_fp8)
         try:
             us, how = _time_us(store)
-            _record(records, op="kv_write", B=1, L=T, impl="vllm_tq", preset=name, us=round(us, 1),
+            _record(records, op="kv_write", B=T, L=0, impl="vllm_tq", preset=name, us=round(us, 1),
                     GBps=round(nbytes / us / 1e3, 1), timing=how)
             mine = torch.zeros_like(cache)
             kv_write(key, value, mine, slots, p, rotation, midpoints, centroids=centroids)
@@ -242,7 +242,7 @@ def _write_case(records, T, presets, vllm):
             print(f"# kv_write {name} T={T}: bytes differing from vLLM's store: "
                   f"{int((mine != vcache[..., : p.slot_bytes]).sum())} of {mine.numel()}", flush=True)
         except Exception as exc:  # noqa: BLE001
-            _record(records, op="kv_write", B=1, L=T, impl="vllm_tq", preset=name, error=str(exc)[:300])
+            _record(records, op="kv_write", B=T, L=0, impl="vllm_tq", preset=name, error=str(exc)[:300])
 
 
 def _prefill_case(records, B, L, presets, vllm):
@@ -500,12 +500,14 @@ def _summary(records: list[dict]) -> None:
     by = {(r["op"], r["B"], r["L"], r["impl"], r["preset"]): r["us"] for r in records
           if "us" in r and "variant" not in r}
     print("\nop       case        impl      preset               us      xFA3bf16  xvLLM-TQ")
-    for (op, B, L, impl, preset), us in sorted(by.items(), key=lambda kv: (kv[0][0], kv[0][1] * kv[0][2], kv[0][3:])):
+    for (op, B, L, impl, preset), us in sorted(by.items(), key=lambda kv: (kv[0][0], kv[0][1] * max(kv[0][2], 1),
+                                                                             kv[0][3:])):
         fa = by.get((op, B, L, "fa3_bf16", "bf16"))
         vt = by.get((op, B, L, "vllm_tq", preset)) or by.get((op, B, L, "vllm_tq", "raw_kv"))  # prefill: any preset
         x_fa = f"{fa / us:8.2f}" if fa and impl == "tqkv" else " " * 8
         x_vt = f"{vt / us:8.2f}" if vt and impl == "tqkv" else " " * 8
-        print(f"{op:8s} {B:4d}x{L:<6d} {impl:9s} {preset:18s} {us:9.1f}  {x_fa}  {x_vt}")
+        case = f"{B} tokens" if op == "kv_write" else f"{B}x{L}"
+        print(f"{op:8s} {case:>11s} {impl:9s} {preset:18s} {us:9.1f}  {x_fa}  {x_vt}")
 
 
 if __name__ == "__main__":
