@@ -27,7 +27,10 @@ def main() -> None:
         if "meta" in r or r.get("impl") != "tqkv":
             continue
         variant = r["variant"].removesuffix("-again")
-        times[variant][(r["op"], r["preset"], r["B"], r["L"])].append(r.get("us", math.inf))  # error: infinitely slow
+        B, L = r["B"], r["L"]
+        if r["op"] == "kv_write" and B == 1 and L > 0:  # trees before 2026-12-04 20:40 wrote kv_write as B 1, L tokens
+            B, L = L, 0
+        times[variant][(r["op"], r["preset"], B, L)].append(r.get("us", math.inf))  # error: infinitely slow
         if r["op"] == "decode":
             l2[variant].add(r.get("l2", "warm: one block table replayed").split(":")[0])
     names = sorted(times)

@@ -128,7 +128,7 @@ def main() -> int:
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--block-n", type=int, default=64)
     parser.add_argument("--warps", type=int, default=4)
-    parser.add_argument("--maxnreg", type=int, default=None, help="default: the launcher's (128)")
+    parser.add_argument("--maxnreg", type=int, default=None, help="default: the launcher's (128; 168 above head 128)")
     parser.add_argument("--prefetch", action="store_true")
     parser.add_argument("--merge", action="store_true",
                         help="the splits merged in the launch (trees up to bd688d7, whose kernel had it)")
@@ -139,7 +139,7 @@ def main() -> int:
                              "auto: as the launcher (in the kernel for fp8 keys)")
     args = parser.parse_args()
     for name in args.preset or ["turboquant_4bit_nc", "turboquant_k8v4"]:
-        maxnreg = args.maxnreg or 128
+        maxnreg = args.maxnreg or (128 if args.head_dim <= 128 else 168)
         result = stream_kernel(name, args.head_dim, args.block_n, args.warps, maxnreg, args.prefetch,
                                query_in_kernel={"auto": None, "yes": True, "no": False}[args.query_in_kernel],
                                merge=args.merge, splits=args.splits, pdl=args.pdl)

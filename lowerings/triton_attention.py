@@ -468,6 +468,7 @@ def _load_field_h(eptr, base_h, offset: tl.constexpr, nbytes: tl.constexpr, WORD
     # block 0, inside the cache; what it reads there is dropped (its score is -inf, its p is 0, and code
     # lookups are finite, fp8 keys' NaN included: the score is replaced)
     if THIRDS:
+        tl.static_assert(WORD == 2, "3-bit fields are read as 16-bit words")
         g = tl.arange(0, nbytes // 6) * 3
         w0 = tl.load(eptr + word[:, None] + g[None, :]).to(tl.int32) & 0xFFFF
         w1 = tl.load(eptr + word[:, None] + (g + 1)[None, :]).to(tl.int32) & 0xFFFF
@@ -611,6 +612,14 @@ def _codes3(x, k: tl.constexpr):
 
 
 @triton.jit
+def _centroids3x4(x, cent_ptr, DTYPE: tl.constexpr):
+    """The four 3-bit codes in the low 12 bits of x -> their centroids in DTYPE, by a select tree (the
+    interpreter's path of :func:`_keys3`)."""
+    return (_centroids(_codes3(x, 0), cent_ptr, 3).to(DTYPE), _centroids(_codes3(x, 1), cent_ptr, 3).to(DTYPE),
+            _centroids(_codes3(x, 2), cent_ptr, 3).to(DTYPE), _centroids(_codes3(x, 3), cent_ptr, 3).to(DTYPE))
+
+
+@triton.jit
 def _keys3(words, lut_ptr, cent_ptr, ASM: tl.constexpr, DTYPE: tl.constexpr):
     """3-bit Lloyd-Max key codes (a THIRDS tile) -> their centroids [N, D] in natural order, in DTYPE: by byte
     permutes on the GPU (:func:`_lut3_fp16`), by a select tree otherwise."""
@@ -621,27 +630,29 @@ def _keys3(words, lut_ptr, cent_ptr, ASM: tl.constexpr, DTYPE: tl.constexpr):
         c0, c1, c2, c3 = _lut3_fp16(x2, lut_ptr)
         d0, d1, d2, d3 = _lut3_fp16(x3, lut_ptr)
     else:
-        a0, a1, a2, a3 = (_centroids(_codes3(x0, 0), cent_ptr, 3).to(DTYPE), _centroids(_codes3(x0, 1), cent_ptr, 3).to(DTYPE),
-                          _centroids(_codes3(x0, 2), cent_ptr, 3).to(DTYPE), _centroids(_codes3(x0, 3), cent_ptr, 3).to(DTYPE))
-        b0, b1, b2, b3 = (_centroids(_codes3(x1, 0), cent_ptr, 3).to(DTYPE), _centroids(_codes3(x1, 1), cent_ptr, 3).to(DTYPE),
-                          _centroids(_codes3(x1, 2), cent_ptr, 3).to(DTYPE), _centroids(_codes3(x1, 3), cent_ptr, 3).to(DTYPE))
-        c0, c1, c2, c3 = (_centroids(_codes3(x2, 0), cent_ptr, 3).to(DTYPE), _centroids(_codes3(x2, 1), cent_ptr, 3).to(DTYPE),
-                          _centroids(_codes3(x2, 2), cent_ptr, 3).to(DTYPE), _centroids(_codes3(x2, 3), cent_ptr, 3).to(DTYPE))
-        d0, d1, d2, d3 = (_centroids(_codes3(x3, 0), cent_ptr, 3).to(DTYPE), _centroids(_codes3(x3, 1), cent_ptr, 3).to(DTYPE),
-                          _centroids(_codes3(x3, 2), cent_ptr, 3).to(DTYPE), _centroids(_codes3(x3, 3), cent_ptr, 3).to(DTYPE))
+        a0, a1, a2, a3 = _centroids3x4(x0, cent_ptr, DTYPE)
+        b0, b1, b2, b3 = _centroids3x4(x1, cent_ptr, DTYPE)
+        c0, c1, c2, c3 = _centroids3x4(x2, cent_ptr, DTYPE)
+        d0, d1, d2, d3 = _centroids3x4(x3, cent_ptr, DTYPE)
     return _join16(a0, a1, a2, a3, b0, b1, b2, b3, c0, c1, c2, c3, d0, d1, d2, d3)
+
+
+@triton.jit
+def _codes3x4_f16(x):
+    """The four 3-bit codes in the low 12 bits of x -> fp16 1024 + code each (exact)."""
+    return (_codes_f16(_codes3(x, 0)), _codes_f16(_codes3(x, 1)), _codes_f16(_codes3(x, 2)),
+            _codes_f16(_codes3(x, 3)))
 
 
 @triton.jit
 def _values3_f16(words):
     """3-bit uniform value codes (a THIRDS tile) -> fp16 1024 + code [N, D] in natural order (exact)."""
     x0, x1, x2, x3 = _quads3(words)
-    return _join16(_codes_f16(_codes3(x0, 0)), _codes_f16(_codes3(x0, 1)), _codes_f16(_codes3(x0, 2)),
-                   _codes_f16(_codes3(x0, 3)), _codes_f16(_codes3(x1, 0)), _codes_f16(_codes3(x1, 1)),
-                   _codes_f16(_codes3(x1, 2)), _codes_f16(_codes3(x1, 3)), _codes_f16(_codes3(x2, 0)),
-                   _codes_f16(_codes3(x2, 1)), _codes_f16(_codes3(x2, 2)), _codes_f16(_codes3(x2, 3)),
-                   _codes_f16(_codes3(x3, 0)), _codes_f16(_codes3(x3, 1)), _codes_f16(_codes3(x3, 2)),
-                   _codes_f16(_codes3(x3, 3)))
+    a0, a1, a2, a3 = _codes3x4_f16(x0)
+    b0, b1, b2, b3 = _codes3x4_f16(x1)
+    c0, c1, c2, c3 = _codes3x4_f16(x2)
+    d0, d1, d2, d3 = _codes3x4_f16(x3)
+    return _join16(a0, a1, a2, a3, b0, b1, b2, b3, c0, c1, c2, c3, d0, d1, d2, d3)
 
 
 @triton.jit
@@ -945,7 +956,7 @@ def num_splits(rows: int, kv_heads: int, max_len: int, device: torch.device, blo
     slots = programs_per_sm * _sm_count(device)
     tiles = max(1, triton.cdiv(max_len, block_n))
     # never above that count: max_len is the block table's width (an engine's max_model_len), often far above
-    # the batch's real lengths, and the count must not grow with it (128: the merge reads 64 splits a chunk)
+    # the batch's real lengths, and the count must not grow with it (128: one merge pass up to head 128)
     most = min(tiles, wanted, 128)
 
     def cost(splits: int) -> int:
@@ -1025,7 +1036,7 @@ def key_lut(preset: Preset, device: torch.device) -> torch.Tensor:
     key = (preset.name, preset.head_dim, str(device))
     if key not in _LUTS:
         cents = torch.zeros(16, dtype=torch.float32)
-        if not preset.key_fp8:
+        if not preset.key_fp8 and preset.key_bits in (3, 4):  # (other widths: no stream kernel, a placeholder)
             table = preset.centroids("cpu").float()
             cents[:table.numel()] = table
         _LUTS[key] = _lut_words(cents).to(device)
@@ -1051,9 +1062,10 @@ def column_order(preset: Preset, device: torch.device) -> torch.Tensor:
 
 def default_kernel(preset: Preset, programs: int, kv_cache: torch.Tensor, device: torch.device) -> str:
     """The kernel measured fastest on the H200 (bench/results/h200-kernels-notes.md): the stream kernel
-    wherever it can read the cache (vLLM's four presets from a byte-contiguous, 2-byte-aligned view); else, for 3-bit fields
-    the word kernel when (row, kv head) programs fill the GPU twice over (3-bit values), the byte kernel
-    otherwise (under the interpreter: the word kernel wherever it applies, so that tests cover it)."""
+    wherever it can read the cache (vLLM's four presets from a byte-contiguous, 2-byte-aligned view); for
+    other views with 3-bit fields the word kernel when (row, kv head) programs fill the GPU twice over (3-bit
+    values), the byte kernel otherwise (under the interpreter: the word kernel wherever it applies; tests that
+    cover the word and byte kernels name them)."""
     if stream_words(preset, kv_cache, asm=device.type == "cuda") is not None:
         return "stream"
     if not _words_ok(kv_cache) or preset.key_fp8 or (preset.key_bits != 4 and preset.value_bits != 3):

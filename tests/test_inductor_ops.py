@@ -5,6 +5,7 @@ same trace launches the Triton kernels from the generated code: examples/inducto
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch._inductor.utils import run_and_get_code
 
@@ -57,3 +58,19 @@ def test_the_inductor_lowering_example_runs_on_the_cpu():
                           env={**os.environ, "TRITON_INTERPRET": "1"})
     assert done.returncode == 0, done.stderr[-2000:]
     assert "cache bytes equal True" in done.stdout and done.stdout.rstrip().endswith("OK"), done.stdout[-2000:]
+
+
+@pytest.mark.parametrize("preset_name", tqkv_compile.codec.preset_names() + tqkv_compile.codec.own_preset_names())
+def test_every_presets_tables_build(preset_name):
+    """The op inputs carrying a preset's tables build for every preset, ours included (5-bit keys have no
+    stream-kernel table and get a placeholder); where the stream kernel reads the keys (3- and 4-bit Lloyd-Max)
+    the fp16 lookup table's entries are the preset's centroids in order."""
+    from tqkv_compile.lowerings.triton_attention import _lut_words
+
+    t = inductor_ops.tables(preset_name, 64, torch.device("cpu"))
+    preset = tqkv_compile.get_preset(preset_name, 64)
+    assert t["key_lut"].shape == (8,) and t["key_lut"].dtype == torch.int32
+    if not preset.key_fp8 and preset.key_bits in (3, 4):
+        cents = preset.centroids("cpu").float()
+        padded = torch.cat([cents, torch.zeros(16 - cents.numel())])
+        assert torch.equal(t["key_lut"], _lut_words(padded))
