@@ -18,9 +18,10 @@ the splits. A row's sequence and causal length come from ``query_start_loc`` ins
 one-token-per-sequence case is recognised in two loads; other rows binary-search), so any mix of decode and
 multi-token rows is served: each row attends to positions ``0 .. seq_len - n_new + j``.
 
-Two split kernels share that contract: ``_decode_split_kernel`` (byte loads) and ``_decode_words_kernel``
-(fp8 / 4-bit fields read as 32-bit words, unpacked into plane-ordered tiles, the query permuted to match);
-:func:`default_kernel` picks the one measured faster on the H200 (see bench/results/h200-kernels-notes.md).
+Two split kernels share that contract: ``_decode_stream_kernel`` (fields read as 16- or 32-bit words,
+vLLM's four layouts, the one every engine cache takes) and ``_decode_split_kernel`` (byte loads: any view,
+the fallback); :func:`default_kernel` picks. (A third, the word kernel, served 3-bit fields from 32-bit words
+until the stream kernel read them, 2026-12-04; measured in bench/results/h200-kernels-notes.md.)
 """
 
 from __future__ import annotations
@@ -304,38 +305,6 @@ def _decode_split_kernel(
 
 
 @triton.jit
-def _load_words(wptr, addr, valid, NW: tl.constexpr):
-    """Raw 32-bit words for the byte field at addr [BLOCK_N] (byte offsets): (lo, hi) int32 [BLOCK_N, NW], the
-    aligned words at and after the field start; hi is read only where the field is not 4-byte aligned.
-    :func:`_funnel` turns them into the field's own little-endian words."""
-    a0 = addr >> 2
-    mis = (addr & 3) != 0
-    j = tl.arange(0, NW)
-    ptrs = wptr + a0[:, None] + j[None, :]
-    lo = tl.load(ptrs, mask=valid[:, None], other=0)
-    hi = tl.load(ptrs + 1, mask=(valid & mis)[:, None], other=0)
-    return lo, hi
-
-
-@triton.jit
-def _funnel(lo, hi, addr):
-    """Word j of the field = bytes addr + 4j .. addr + 4j + 3 (little-endian), from :func:`_load_words`."""
-    sh = ((addr & 3) * 8).to(tl.int32)[:, None]
-    lo = lo.to(tl.uint32, bitcast=True)
-    hi = hi.to(tl.uint32, bitcast=True)
-    return ((lo >> sh) | ((hi << 1) << (31 - sh))).to(tl.int32, bitcast=True)
-
-
-@triton.jit
-def _word_planes(w, BITS: tl.constexpr, NW: tl.constexpr):
-    """int32 words [BLOCK_N, NW] -> fields [BLOCK_N, 32 // BITS, NW]: plane k, column j holds the BITS-bit
-    field at bit k * BITS of word j (coordinate j * (32 // BITS) + k)."""
-    k = tl.arange(0, 32 // BITS)
-    mask: tl.constexpr = (1 << BITS) - 1
-    return (w[:, None, :] >> (k * BITS)[None, :, None]) & mask
-
-
-@triton.jit
 def _centroids_sym16(code, cent_ptr, OUT: tl.constexpr):
     """4-bit codes -> fp32 centroids, using the table's sign symmetry c[15 - i] = -c[i]: an 8-way select on
     the folded index, then the sign."""
@@ -346,111 +315,6 @@ def _centroids_sym16(code, cent_ptr, OUT: tl.constexpr):
                    tl.load(cent_ptr + 3).to(ty), tl.load(cent_ptr + 4).to(ty), tl.load(cent_ptr + 5).to(ty),
                    tl.load(cent_ptr + 6).to(ty), tl.load(cent_ptr + 7).to(ty))
     return tl.where(upper, -mag, mag)
-
-
-@triton.jit
-def _meta_fp16(lo, hi, addr):
-    """Two fp16 at addr (low half, high half of the funnelled word) -> fp32 pair, from words [BLOCK_N, 1]."""
-    w = tl.sum(_funnel(lo, hi, addr), axis=1)
-    first = (w & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-    second = ((w >> 16) & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-    return first, second
-
-
-@triton.jit
-def _decode_words_kernel(
-    q_ptr, cache_ptr, block_table_ptr, seq_lens_ptr, qsl_ptr, cent_ptr, part_out_ptr, part_lse_ptr,
-    num_seqs, max_len,
-    s_qt, s_qh, s_qd, s_bt, s_bm,
-    s_blk, s_pos, s_head,
-    GROUP: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, SEARCH_STEPS: tl.constexpr,
-    KEY_FP8: tl.constexpr, KEY_BITS: tl.constexpr, KEY_CODE_BYTES: tl.constexpr, NORM_CORRECTION: tl.constexpr,
-    VALUE_BITS: tl.constexpr, VALUE_OFFSET: tl.constexpr, VALUE_CODE_BYTES: tl.constexpr,
-    DOT_FP32: tl.constexpr,
-):
-    """Like :func:`_decode_split_kernel`, for a cache whose last stride is 1 and whose base is 4-byte aligned:
-    fp8 and 4-bit fields are read as 32-bit words (funnel-shifted where a slot is not word aligned) and
-    unpacked into [BLOCK_N, planes, words] tiles, reshaped to [BLOCK_N, D] in plane order (column
-    c = k * (D / per_word) + j holds coordinate j * per_word + k); the query arrives permuted to the key
-    tile's column order; value accumulators are kept in the value tile's column order. 3-bit fields keep
-    the byte path."""
-    row = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    split = tl.program_id(2)
-    DTYPE: tl.constexpr = tl.float32 if DOT_FP32 else tl.float16
-    PRECISION: tl.constexpr = "ieee" if DOT_FP32 else None
-    wptr = cache_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
-
-    seq, begin, end, q_heads, part, head_ok = _split_span(row, kv_head, split, qsl_ptr, seq_lens_ptr, num_seqs,
-                                                          max_len, GROUP, BLOCK_H, BLOCK_N, NUM_SPLITS, SEARCH_STEPS)
-    if begin >= end:
-        tl.store(part_lse_ptr + part, tl.full((BLOCK_H,), float("-inf"), tl.float32), mask=head_ok)
-        return
-
-    d = tl.arange(0, D)
-    q = tl.load(q_ptr + row * s_qt + q_heads[:, None] * s_qh + d[None, :] * s_qd, mask=head_ok[:, None], other=0.0)
-    q = q.to(DTYPE)
-    m_i = tl.full((BLOCK_H,), float("-inf"), tl.float32)
-    l_i = tl.zeros((BLOCK_H,), tl.float32)
-    acc = tl.zeros((BLOCK_H, D), tl.float32)
-    shift = tl.zeros((BLOCK_H,), tl.float32)  # sum of P * (zero - 1024 * scale): the affine part of P.V
-    bt_row = block_table_ptr + seq.to(tl.int64) * s_bt
-    n = tl.arange(0, BLOCK_N)
-    KW: tl.constexpr = D // 4 if KEY_FP8 else D * KEY_BITS // 32  # key code words
-    VW: tl.constexpr = D * VALUE_BITS // 32
-    for start in range(begin, end, BLOCK_N):
-        base, valid = _tile_base(bt_row, s_bm, start, end, n, kv_head, s_blk, s_pos, s_head, BLOCK_SIZE, False)
-
-        # ---- keys -> scores [BLOCK_H, BLOCK_N]
-        if KEY_FP8:
-            lo, hi = _load_words(wptr, base, valid, KW)
-            raw = _word_planes(_funnel(lo, hi, base), 8, KW)
-            keys = raw.to(tl.int8).to(tl.float8e4nv, bitcast=True).to(DTYPE)
-            keys = tl.reshape(keys, (BLOCK_N, D))
-            scores = tl.dot(q, tl.trans(keys), input_precision=PRECISION)
-        else:
-            naddr = base + KEY_CODE_BYTES
-            nlo, nhi = _load_words(wptr, naddr, valid, 1)
-            if KEY_BITS == 4:
-                lo, hi = _load_words(wptr, base, valid, KW)
-                codes = _word_planes(_funnel(lo, hi, base), 4, KW)
-                cent = _centroids_sym16(codes, cent_ptr, tl.float32)
-                cent = tl.reshape(cent, (BLOCK_N, D))
-            else:
-                cent = _centroids(_load_codes3(cache_ptr, base, valid, 1, D), cent_ptr, 3)
-            scores = tl.dot(q, tl.trans(cent.to(DTYPE)), input_precision=PRECISION)
-            factor, _unused = _meta_fp16(nlo, nhi, naddr)
-            if NORM_CORRECTION:
-                factor = factor / tl.sqrt(tl.sum(cent * cent, axis=1) + 1e-16)
-            scores = scores * factor[None, :]
-        scores = tl.where(valid[None, :], scores, float("-inf"))
-        p, alpha, m_i, l_i = _softmax_step(scores, m_i, l_i)
-
-        # ---- values
-        vbase = base + VALUE_OFFSET
-        saddr = vbase + VALUE_CODE_BYTES
-        # bytewise: the slot's last field; a word load at a 2-byte offset would read 2 bytes past the slot
-        # (past the cache's end at its last slot: a fault where the cache ends on a page boundary)
-        vscale = _load_fp16(cache_ptr, saddr, valid)
-        vzero = _load_fp16(cache_ptr, saddr + 2, valid)
-        ps = (p * vscale[None, :]).to(DTYPE)
-        shift = shift * alpha + tl.sum(p * vzero[None, :], axis=1) - 1024.0 * tl.sum(ps.to(tl.float32), axis=1)
-        if VALUE_BITS == 4:
-            lo, hi = _load_words(wptr, vbase, valid, VW)
-            vcodes = tl.reshape(_word_planes(_funnel(lo, hi, vbase), 4, VW), (BLOCK_N, D))
-        else:
-            vcodes = _load_codes3(cache_ptr, vbase, valid, 1, D)
-        acc = tl.dot(ps, _codes_f16(vcodes).to(DTYPE), acc * alpha[:, None])
-
-    inv = 1.0 / l_i
-    out = acc * inv[:, None] + (shift * inv)[:, None]
-    if VALUE_BITS == 4:
-        col = (d % (D // 8)) * 8 + d // (D // 8)
-    else:
-        col = _order3(D)
-    tl.store(part_out_ptr + part[:, None] * D + col[None, :], out, mask=head_ok[:, None])
-    tl.store(part_lse_ptr + part, m_i + tl.log2(l_i), mask=head_ok)
 
 
 @triton.jit
@@ -866,18 +730,6 @@ def _decode_stream_kernel(
     tl.store(part_lse_ptr + part, m_i + tl.log2(l_i), mask=head_ok)
 
 
-def key_column_order(preset: Preset, dim: int) -> torch.Tensor:
-    """Coordinate held by each column of the word kernel's key tile (see :func:`_decode_words_kernel`)."""
-    c = torch.arange(dim)
-    if preset.key_fp8:
-        per = 4
-    elif preset.key_bits == 4:
-        per = 8
-    else:
-        return 8 * (c % (dim // 8)) + c // (dim // 8)
-    return (c % (dim // per)) * per + c // (dim // per)
-
-
 @triton.jit
 def _merge_kernel(part_out_ptr, part_lse_ptr, out_ptr, s_ot, s_oh, s_od,
                   NUM_HEADS: tl.constexpr, D: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr,
@@ -979,11 +831,6 @@ def _base_offset(t: torch.Tensor) -> int:
     return t.storage_offset() * t.element_size()
 
 
-def _words_ok(kv_cache: torch.Tensor) -> bool:
-    """The word kernel reads 32-bit words: it needs byte-contiguous slots and a 4-byte-aligned base."""
-    return kv_cache.dtype == torch.uint8 and kv_cache.stride(3) == 1 and _base_offset(kv_cache) % 4 == 0
-
-
 def _halves_span(kv_cache: torch.Tensor) -> int:
     """How many 2-byte units the kernel can address from the view's start: the last byte any index reaches."""
     return (sum((size - 1) * stride for size, stride in zip(kv_cache.shape, kv_cache.stride())) + 2) // 2
@@ -1016,7 +863,6 @@ def stream_words(preset: Preset, kv_cache: torch.Tensor, asm: bool) -> tuple[int
 
 
 _LUTS: dict[tuple[str, int, str], torch.Tensor] = {}
-_ORDERS: dict[tuple[str, int, str], torch.Tensor] = {}
 _SIGNS: dict[tuple[int, str], torch.Tensor] = {}
 
 
@@ -1052,27 +898,10 @@ def rotation_signs(dim: int, device: torch.device) -> torch.Tensor:
     return _SIGNS[key]
 
 
-def column_order(preset: Preset, device: torch.device) -> torch.Tensor:
-    """:func:`key_column_order` on ``device``, built once (no host-to-device copy per call)."""
-    key = (preset.name, preset.head_dim, str(device))
-    if key not in _ORDERS:
-        _ORDERS[key] = key_column_order(preset, preset.head_dim).to(device)
-    return _ORDERS[key]
-
-
-def default_kernel(preset: Preset, programs: int, kv_cache: torch.Tensor, device: torch.device) -> str:
-    """The kernel measured fastest on the H200 (bench/results/h200-kernels-notes.md): the stream kernel
-    wherever it can read the cache (vLLM's four presets from a byte-contiguous, 2-byte-aligned view); for
-    other views with 3-bit fields the word kernel when (row, kv head) programs fill the GPU twice over (3-bit
-    values), the byte kernel otherwise (under the interpreter: the word kernel wherever it applies; tests that
-    cover the word and byte kernels name them)."""
-    if stream_words(preset, kv_cache, asm=device.type == "cuda") is not None:
-        return "stream"
-    if not _words_ok(kv_cache) or preset.key_fp8 or (preset.key_bits != 4 and preset.value_bits != 3):
-        return "bytes"
-    if device.type == "cpu" or programs >= 2 * _sm_count(device):
-        return "words"
-    return "bytes"
+def default_kernel(preset: Preset, kv_cache: torch.Tensor, device: torch.device) -> str:
+    """The stream kernel wherever it can read the cache (vLLM's four presets from a byte-contiguous view with
+    2-byte-aligned fields and strides: every cache vLLM allocates), else the byte kernel (any view)."""
+    return "stream" if stream_words(preset, kv_cache, asm=device.type == "cuda") is not None else "bytes"
 
 
 def require_vllm_layout(preset: Preset) -> None:
@@ -1113,7 +942,7 @@ def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: t
                      query_in_kernel: bool | None = None, launch=None,
                      out: torch.Tensor | None = None) -> torch.Tensor:
     """query [T, Hq, D] -> out [T, Hq, D] (query dtype); see the module docstring and ops.attention.
-    ``kernel``: "stream", "words" or "bytes" (default: :func:`default_kernel`); the other keywords are tuning
+    ``kernel``: "stream" or "bytes" (default: :func:`default_kernel`); the other keywords are tuning
     knobs (the H200 sweep's best by default). ``lut``: the stream kernel's key lookup table (default:
     :func:`key_lut`, built once per preset and device). ``index32``: the stream kernel's int32 indexing
     (default: wherever the cache view spans fewer than 2^31 half-words; False forces int64). ``signs``: the
@@ -1138,7 +967,9 @@ def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: t
         return out
     interpret = query.device.type == "cpu"
     if kernel is None:
-        kernel = default_kernel(preset, rows * kv_heads, kv_cache, query.device)
+        kernel = default_kernel(preset, kv_cache, query.device)
+    if kernel not in ("stream", "bytes"):
+        raise ValueError(f"kernel: expected 'stream' or 'bytes', got {kernel!r}")
     max_len = block_table.shape[1] * kv_cache.shape[1]
     if block_n is None:  # the H200 sweeps' best (bench/results/h200-kernels-notes.md)
         block_n = 16 if interpret else (32 if kernel == "bytes" else 64)
@@ -1153,8 +984,6 @@ def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: t
     # at 128); 168 at head 256, where 128 spills ~0.5 KB a thread (sm_90a compile; not timed)
     if kernel == "stream" and not interpret:
         maxnreg = maxnreg or (128 if dim <= 128 else 168)
-    if num_stages is None and kernel == "words" and preset.key_bits == 4:
-        num_stages = 3
     if splits is None:
         occupancy = programs_per_sm(maxnreg, num_warps or 4) if kernel == "stream" and maxnreg else None
         splits = num_splits(rows, kv_heads, max_len, query.device, block_n, occupancy)
@@ -1180,7 +1009,7 @@ def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: t
             q = query
             signs = signs if signs is not None else rotation_signs(dim, query.device)
         else:
-            q = prepare_query(query, rotation if rotate else None, None, scale * LOG2E, _traced(launch))
+            q = prepare_query(query, rotation if rotate else None, scale * LOG2E, _traced(launch))
             signs = q
         lut = lut if lut is not None else key_lut(preset, query.device)
         launch(_decode_stream_kernel)[(rows, kv_heads, splits)](
@@ -1199,18 +1028,8 @@ def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: t
             **pdl,
             **({} if maxnreg is None else {"maxnreg": maxnreg}),
         )
-    elif kernel == "words":
-        # the query rotated (Lloyd-Max keys), permuted to the key tile's column order and scaled (log2 e folded
-        # in for exp2) in one launch
-        q = prepare_query(query, None if preset.key_fp8 else rotation, column_order(preset, query.device),
-                          scale * LOG2E, _traced(launch))
-        launch(_decode_words_kernel)[(rows, kv_heads, splits)](
-            q, kv_cache, block_table, seq_lens, query_start_loc, centroids, part_out, part_lse,
-            num_seqs, max_len, *q.stride(), *block_table.stride(), *kv_cache.stride()[:3],
-            **common, num_warps=num_warps or 4, num_stages=num_stages or 2,
-        )
-    else:
-        q = prepare_query(query, None if preset.key_fp8 else rotation, None, scale * LOG2E, _traced(launch))
+    elif kernel == "bytes":
+        q = prepare_query(query, None if preset.key_fp8 else rotation, scale * LOG2E, _traced(launch))
         launch(_decode_split_kernel)[(rows, kv_heads, splits)](
             q, kv_cache, block_table, seq_lens, query_start_loc, centroids, part_out, part_lse,
             num_seqs, max_len,

@@ -1,5 +1,5 @@
-"""The decode kernels' query: rotated (Lloyd-Max keys), in the word kernel's column order, scaled by the softmax
-scale x log2(e), in fp32, in one launch (:func:`prepare_query`)."""
+"""The decode kernels' query: rotated (Lloyd-Max keys), scaled by the softmax scale x log2(e), in fp32, in one
+launch (:func:`prepare_query`)."""
 
 from __future__ import annotations
 
@@ -12,12 +12,12 @@ from tqkv_compile.lowerings.dependent_launch import wait_and_release
 
 
 @triton.jit
-def _prepare_query_kernel(q_ptr, rot_ptr, order_ptr, out_ptr, pairs, heads, s_qt, s_qh, s_qd,
-                          D: tl.constexpr, SCALE: tl.constexpr, ROTATE: tl.constexpr, ORDERED: tl.constexpr,
+def _prepare_query_kernel(q_ptr, rot_ptr, out_ptr, pairs, heads, s_qt, s_qh, s_qd,
+                          D: tl.constexpr, SCALE: tl.constexpr, ROTATE: tl.constexpr,
                           BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr,
                           GDC: tl.constexpr = False):
-    """out[t, h, :] = (q[t, h, :] @ rot[:, order]) * SCALE in fp32, BLOCK_M (token, head) pairs and BLOCK_D
-    output columns a program; without ROTATE, q[t, h, order] * SCALE. The decode kernels' query in one launch
+    """out[t, h, :] = (q[t, h, :] @ rot) * SCALE in fp32, BLOCK_M (token, head) pairs and BLOCK_D output
+    columns a program; without ROTATE, q[t, h, :] * SCALE. The decode kernels' query in one launch
     (it was a cast, a matmul and a multiply: three launches of ~2-4 us each at decode). The product is an fp32
     FMA dot ("ieee"), as precise as the fp32 matmul it replaces."""
     wait_and_release(GDC)
@@ -25,7 +25,7 @@ def _prepare_query_kernel(q_ptr, rot_ptr, order_ptr, out_ptr, pairs, heads, s_qt
     ok = m < pairs
     row = (m // heads) * s_qt + (m % heads) * s_qh
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
-    cols = tl.load(order_ptr + d) if ORDERED else d
+    cols = d
     if ROTATE:
         acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
         for k0 in tl.static_range(0, D, BLOCK_K):
@@ -38,25 +38,21 @@ def _prepare_query_kernel(q_ptr, rot_ptr, order_ptr, out_ptr, pairs, heads, s_qt
     tl.store(out_ptr + m[:, None] * D + d[None, :], acc * SCALE, mask=ok[:, None])
 
 
-def prepare_query(query: torch.Tensor, rotation: torch.Tensor | None, order: torch.Tensor | None, scale: float,
-                  launch=None) -> torch.Tensor:
+def prepare_query(query: torch.Tensor, rotation: torch.Tensor | None, scale: float, launch=None) -> torch.Tensor:
     """The decode kernels' query [T, Hq, D] fp32: rotated (``rotation``, [D, D] fp32, None for fp8 keys),
-    its columns in ``order`` (the word kernel's; None: natural), times ``scale`` (softmax scale x log2 e). The
+    times ``scale`` (softmax scale x log2 e). The
     scale is a compile-time constant of the kernel: a float argument would be fp64 where Inductor launches it.
     Programs of 16 pairs x 64 columns: a decode step of one sequence still spreads over a few SMs."""
     rows, heads, dim = query.shape
     if rotation is not None and (rotation.dtype != torch.float32 or tuple(rotation.shape) != (dim, dim)):
         raise ValueError(f"rotation: expected float32 [{dim}, {dim}], got {rotation.dtype} {list(rotation.shape)}")
-    if order is not None and tuple(order.shape) != (dim,):
-        raise ValueError(f"order: expected [{dim}], got {list(order.shape)}")
     out = torch.empty(rows, heads, dim, dtype=torch.float32, device=query.device)
     if rows == 0:
         return out
     pairs, block_m, block_d = rows * heads, 16, min(64, dim)
     (launch or (lambda kernel: kernel))(_prepare_query_kernel)[(triton.cdiv(pairs, block_m), dim // block_d)](
-        query, rotation.contiguous() if rotation is not None else query,
-        order.contiguous() if order is not None else query, out, pairs, heads, *query.stride(),
-        D=dim, SCALE=float(scale), ROTATE=rotation is not None, ORDERED=order is not None,
+        query, rotation.contiguous() if rotation is not None else query, out, pairs, heads, *query.stride(),
+        D=dim, SCALE=float(scale), ROTATE=rotation is not None,
         BLOCK_M=block_m, BLOCK_D=block_d, BLOCK_K=min(32, dim), num_warps=4,
         **dependent_launch.options(query.device, traced=launch is not None),
     )

@@ -371,10 +371,10 @@ def test_dequant_kernel_equals_the_codec_decode(preset_name, dim):
 
 
 @pytest.mark.parametrize("preset_name", PRESETS)
-@pytest.mark.parametrize("kernel", ["words", "bytes"])
+@pytest.mark.parametrize("kernel", ["stream", "bytes"])
 def test_both_kernels_read_unaligned_slots(preset_name, kernel):
-    """Token rows 2 mod 4 bytes apart: the word kernel funnel-shifts every field; the byte kernel is the
-    fallback for caches the word kernel cannot read."""
+    """Token rows 2 mod 4 bytes apart: the stream kernel reads every field as 16-bit words; the byte kernel is
+    the fallback for views the stream kernel cannot read."""
     preset = get_preset(preset_name, 64)
     out, expected = _attention_both(preset, 4, torch.float16, [1, 2], [37, 50], seed=5, pad=6, kernel=kernel,
                                     block_n=32)
@@ -628,7 +628,7 @@ def test_warm_builds_every_table_before_the_first_call():
             assert ("general", name, 128, "cpu") in backend._general
         else:
             assert (name, 128, "cpu") in backend._tables
-            assert (name, 128, "cpu") in triton_attention._LUTS and (name, 128, "cpu") in triton_attention._ORDERS
+            assert (name, 128, "cpu") in triton_attention._LUTS
             assert (128, "cpu") in triton_attention._SIGNS
     key_lut = triton_attention._LUTS[("turboquant_4bit_nc", 128, "cpu")]
     assert key_lut.dtype == torch.int32 and key_lut.shape == (8,)
@@ -643,8 +643,8 @@ def test_tables_stay_fp32_when_vllm_loads_under_a_bf16_default_dtype(preset_name
     from tqkv_compile.backends.triton import TritonBackend
     from tqkv_compile.lowerings import triton_attention
 
-    saved = (dict(rotation._on_device), dict(triton_attention._LUTS), dict(triton_attention._ORDERS))
-    rotation._on_device.clear(), triton_attention._LUTS.clear(), triton_attention._ORDERS.clear()
+    saved = (dict(rotation._on_device), dict(triton_attention._LUTS))
+    rotation._on_device.clear(), triton_attention._LUTS.clear()
     rotation._hadamard_cpu.cache_clear(), lloyd_max._tables.cache_clear()
     preset = get_preset(preset_name, 64)
     backend = TritonBackend()
@@ -668,9 +668,8 @@ def test_tables_stay_fp32_when_vllm_loads_under_a_bf16_default_dtype(preset_name
         out = backend.attention(query, cache, table, lens, starts, 0.125, preset)
     finally:
         torch.set_default_dtype(previous)
-        rotation._on_device.clear(), triton_attention._LUTS.clear(), triton_attention._ORDERS.clear()
+        rotation._on_device.clear(), triton_attention._LUTS.clear()
         rotation._on_device.update(saved[0]), triton_attention._LUTS.update(saved[1])
-        triton_attention._ORDERS.update(saved[2])
         rotation._hadamard_cpu.cache_clear(), lloyd_max._tables.cache_clear()
     expected_cache = _strided_cache(preset, 4, fill=0)
     get_backend("reference").kv_write(key, value, expected_cache, torch.arange(20), preset)
@@ -679,7 +678,7 @@ def test_tables_stay_fp32_when_vllm_loads_under_a_bf16_default_dtype(preset_name
     torch.testing.assert_close(out.float(), expected.float(), **_tolerance(torch.bfloat16))
 
 
-@pytest.mark.parametrize("kernel", ["stream", "words", "bytes", "general"])
+@pytest.mark.parametrize("kernel", ["stream", "bytes", "general"])
 def test_a_sequence_length_past_the_block_table_reads_only_the_table(kernel):
     """Lengths are checked on the host only outside CUDA-graph capture and with TQKV_CHECK_VALUES on; a length
     the host did not check is clamped in the kernel to the positions the block table addresses (the same result
@@ -723,10 +722,10 @@ def _kernel_calls(preset, cache, table, seq_lens, query):
         return calls + [("general", lambda: backend.decode_kernels(query, cache, table, seq_lens, starts, 0.125,
                                                                    preset))]
     rotation, centroids, _ = backend.tables(preset, query.device)
-    kernels = ["words", "bytes"] + (["stream"] if triton_attention.stream_words(preset, cache, asm=False) else [])
+    kernels = ["bytes"] + (["stream"] if triton_attention.stream_words(preset, cache, asm=False) else [])
     return calls + [(kernel, lambda kernel=kernel: triton_attention.decode_attention(
         query, cache, table, seq_lens, starts, 0.125, preset, rotation, centroids, kernel=kernel))
-        for kernel in kernels if kernel != "words" or triton_attention._words_ok(cache)]
+        for kernel in kernels]
 
 
 @pytest.mark.parametrize("dim", [64, 128])
@@ -790,27 +789,26 @@ def test_vllm_layout_kernels_refuse_a_preset_of_ours(op):
 
 
 @pytest.mark.parametrize("dim", HEAD_DIMS)
-@pytest.mark.parametrize("rotate, ordered", [(True, False), (True, True), (False, True), (False, False)])
-def test_query_preparation_equals_the_fp32_matmul(dim, rotate, ordered):
-    """The decode kernels' query in one launch: rotated, columns reordered, scaled, in fp32 as the matmul it
-    replaced; rows x heads not a multiple of the program's 16 pairs, a strided query view."""
-    from tqkv_compile.lowerings.triton_attention import key_column_order
+@pytest.mark.parametrize("rotate, layout", [(True, "strided"), (False, "strided"), (True, "coordinates-outer"),
+                                            (False, "coordinates-outer")])
+def test_query_preparation_equals_the_fp32_matmul(dim, rotate, layout):
+    """The decode kernels' query in one launch: rotated, scaled, in fp32 as the matmul it replaced; rows x
+    heads not a multiple of the program's 16 pairs; a strided bf16 query view, or an fp32 one whose coordinates
+    are not the fastest dimension."""
     from tqkv_compile.lowerings.triton_query import prepare_query
 
     gen = torch.Generator().manual_seed(dim)
     query = torch.randn(5, 2 * 3, dim + 8, generator=gen).to(torch.bfloat16)[..., 4: dim + 4]
-    if ordered and not rotate:  # coordinates not the fastest dimension, and an fp32 query
+    if layout == "coordinates-outer":
         query = torch.randn(dim, 5, 2 * 3, generator=gen).permute(1, 2, 0)
     rotation = torch.linalg.qr(torch.randn(dim, dim, generator=gen))[0].contiguous() if rotate else None
-    order = key_column_order(get_preset("turboquant_4bit_nc", dim), dim) if ordered else None
-    out = prepare_query(query, rotation, order, 0.3)
-    expected = query.float() @ rotation if rotate else query.float()
-    expected = (expected[..., order] if ordered else expected) * 0.3
+    out = prepare_query(query, rotation, 0.3)
+    expected = (query.float() @ rotation if rotate else query.float()) * 0.3
     assert out.dtype == torch.float32 and out.is_contiguous()
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
     if rotate:
         with pytest.raises(ValueError, match="rotation: expected float32"):
-            prepare_query(query, rotation.to(torch.bfloat16), order, 0.3)
+            prepare_query(query, rotation.to(torch.bfloat16), 0.3)
 
 
 def test_stream_launch_sizes_its_splits_by_occupancy(monkeypatch):
@@ -822,7 +820,7 @@ def test_stream_launch_sizes_its_splits_by_occupancy(monkeypatch):
     real = ta.num_splits
     monkeypatch.setattr(ta, "num_splits", lambda *a: seen.append(a[5:]) or real(*a))
     preset = get_preset("turboquant_4bit_nc", 64)
-    for kernel, maxnreg in [("stream", 168), ("stream", None), ("words", 168)]:
+    for kernel, maxnreg in [("stream", 168), ("stream", None), ("bytes", 168)]:
         out, expected = _attention_both(preset, 4, torch.float16, [1, 1], [30, 21], seed=2, kernel=kernel,
                                         maxnreg=maxnreg)
         torch.testing.assert_close(out.float(), expected.float(), **_tolerance(torch.float16))

@@ -158,9 +158,7 @@ def _decode_case(records, B, L, presets, vllm, tune, variants=None, cache_tokens
             call = lambda kw, bt: decode_attention(  # noqa: E731
                 q, cache, bt, seq_lens, qsl, scale, p, rotation, centroids, **kw)
             if tune:
-                variants = tune_variants or [dict(block_n=bn, num_warps=w, num_stages=s, kernel=k)
-                                             for bn in (32, 64, 128) for w in (4, 8) for s in (2, 3)
-                                             for k in ("words", "bytes")]
+                variants = tune_variants or [dict(block_n=bn, num_warps=w) for bn in (32, 64, 128) for w in (4, 8)]
         for kw in variants:
             try:
                 us, how = _time_per_table(lambda bt: call(kw, bt), tables)

@@ -91,11 +91,10 @@ class TritonBackend:
             self.general_tables(preset, device)
             return
         from tqkv_compile.lowerings.arrivals import arrival_counts
-        from tqkv_compile.lowerings.triton_attention import column_order, key_lut, rotation_signs
+        from tqkv_compile.lowerings.triton_attention import key_lut, rotation_signs
 
         self.tables(preset, device)
         key_lut(preset, device)
-        column_order(preset, device)
         rotation_signs(preset.head_dim, device)
         # kept arrival counts for 1024 row blocks of a write, zeroed now (not inside CUDA-graph capture)
         arrival_counts("kv_write_norm", 1024, device)
