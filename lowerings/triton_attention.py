@@ -27,7 +27,6 @@ until the stream kernel read them, 2026-12-04; measured in bench/results/h200-ke
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import triton
@@ -226,12 +225,13 @@ def _tile_base(bt_row, s_bm, start, end, n, kv_head, s_blk, s_pos, s_head, BLOCK
 
 
 @triton.jit
-def _softmax_step(scores, m_i, l_i):
-    """Online softmax in base 2 over one tile of scores [BLOCK_H, N]: (p, alpha, new max, new sum)."""
-    m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+def _softmax_step(scores, m_i, l_i, AXIS: tl.constexpr = 1):
+    """Online softmax in base 2 over one tile of scores, the positions along AXIS ([BLOCK_H, N]: 1; the stream
+    kernel's transposed [N, BLOCK_H]: 0): (p, alpha, new max, new sum)."""
+    m_new = tl.maximum(m_i, tl.max(scores, axis=AXIS))
     alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(scores - m_new[:, None])
-    return p, alpha, m_new, l_i * alpha + tl.sum(p, axis=1)
+    p = tl.exp2(scores - tl.expand_dims(m_new, AXIS))
+    return p, alpha, m_new, l_i * alpha + tl.sum(p, axis=AXIS)
 
 
 @triton.jit
@@ -685,11 +685,7 @@ def _decode_stream_kernel(
             else:
                 scores = scores * knorm[:, None]
         scores = tl.where(valid[:, None], scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, axis=0))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(scores - m_new[None, :])
-        l_i = l_i * alpha + tl.sum(p, axis=0)
-        m_i = m_new
+        p, alpha, m_i, l_i = _softmax_step(scores, m_i, l_i, 0)
 
         # ---- values: P.V = (P * scale) . code + P . zero, the codes as fp16 1024 + f * code with f = 1 in even
         # columns and 16 in odd ones (the cheapest exact unpacking); the 1024 and f come out after the loop.

@@ -25,24 +25,22 @@ def _prepare_query_kernel(q_ptr, rot_ptr, out_ptr, pairs, heads, s_qt, s_qh, s_q
     ok = m < pairs
     row = (m // heads) * s_qt + (m % heads) * s_qh
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
-    cols = d
     if ROTATE:
         acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
         for k0 in tl.static_range(0, D, BLOCK_K):
             k = k0 + tl.arange(0, BLOCK_K)
             q = tl.load(q_ptr + row[:, None] + k[None, :] * s_qd, mask=ok[:, None], other=0.0).to(tl.float32)
-            r = tl.load(rot_ptr + k[:, None] * D + cols[None, :])
+            r = tl.load(rot_ptr + k[:, None] * D + d[None, :])
             acc = tl.dot(q, r, acc, input_precision="ieee")
     else:
-        acc = tl.load(q_ptr + row[:, None] + cols[None, :] * s_qd, mask=ok[:, None], other=0.0).to(tl.float32)
+        acc = tl.load(q_ptr + row[:, None] + d[None, :] * s_qd, mask=ok[:, None], other=0.0).to(tl.float32)
     tl.store(out_ptr + m[:, None] * D + d[None, :], acc * SCALE, mask=ok[:, None])
 
 
 def prepare_query(query: torch.Tensor, rotation: torch.Tensor | None, scale: float, launch=None) -> torch.Tensor:
     """The decode kernels' query [T, Hq, D] fp32: rotated (``rotation``, [D, D] fp32, None for fp8 keys),
-    times ``scale`` (softmax scale x log2 e). The
-    scale is a compile-time constant of the kernel: a float argument would be fp64 where Inductor launches it.
-    Programs of 16 pairs x 64 columns: a decode step of one sequence still spreads over a few SMs."""
+    times ``scale`` (softmax scale x log2 e). The scale is a compile-time constant of the kernel: a float
+    argument would be fp64 where Inductor launches it. Programs of 16 pairs x 64 columns: a decode step of one sequence still spreads over a few SMs."""
     rows, heads, dim = query.shape
     if rotation is not None and (rotation.dtype != torch.float32 or tuple(rotation.shape) != (dim, dim)):
         raise ValueError(f"rotation: expected float32 [{dim}, {dim}], got {rotation.dtype} {list(rotation.shape)}")
