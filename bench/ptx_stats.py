@@ -6,27 +6,65 @@ shuffles, selects, mma, global loads). Cheap checks before spending device time.
     python bench/ptx_stats.py --preset turboquant_4bit_nc --block-n 32 --warps 4 --maxnreg 128 --prefetch
 
 Needs Triton's bundled ptxas (any Triton wheel with the NVIDIA backend); the PTX version line is lowered to
-what that ptxas accepts.
+what that ptxas accepts (8.7: triton 3.6's ptxas is CUDA 12.8's).
+
+Compile with the Triton the H200 runs (3.6.0; this machine's venv has 3.9, whose code differs: 3.9 puts the
+stream kernel's dots on wgmma, 3.6 on mma.sync, and 3.6 stored the 3-bit presets' tiles to shared memory 16
+bits at a time where 3.9 did not): a venv holding only that Triton borrows torch from the project's venv,
+and ``--tree`` compiles another checkout's kernels (a worktree of another commit) for an A/B:
+
+    python3.11 -m venv /tmp/triton36 && /tmp/triton36/bin/pip install triton==3.6.0
+    /tmp/triton36/bin/python bench/ptx_stats.py --site .venv/lib/python3.11/site-packages \
+        [--tree /tmp/other-worktree] --preset turboquant_3bit_nc --histogram
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import importlib.util
 import math
 import os
 import re
+import site
 import subprocess
 import sys
 import tempfile
 
-import torch
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 
-import tqkv_compile
-from tqkv_compile.lowerings import triton_attention as ta
+def _paths_before_imports(argv: list[str]) -> None:
+    """--site DIR: a site-packages read after the interpreter's own (its .pth files too: the project's
+    editable install), e.g. torch for a venv that holds only the H200's Triton. --tree DIR: tqkv_compile, its
+    lowerings and passes imported from that checkout."""
+    def value(flag: str) -> str | None:
+        return argv[argv.index(flag) + 1] if flag in argv[:-1] else None
+
+    if (extra := value("--site")) is not None:
+        site.addsitedir(os.path.abspath(extra))
+    if (tree := value("--tree")) is not None:
+        tree = os.path.abspath(tree)
+        roots = {"tqkv_compile": f"{tree}/tqkv_compile", "tqkv_compile.lowerings": f"{tree}/lowerings",
+                 "tqkv_compile.passes": f"{tree}/passes"}
+
+        class TreeFinder:
+            @staticmethod
+            def find_spec(name, path=None, target=None):
+                root = roots.get(name)
+                return root and importlib.util.spec_from_file_location(name, f"{root}/__init__.py",
+                                                                        submodule_search_locations=[root])
+
+        sys.meta_path.insert(0, TreeFinder)
+
+
+_paths_before_imports(sys.argv)
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+import tqkv_compile  # noqa: E402
+from tqkv_compile.lowerings import triton_attention as ta  # noqa: E402
 
 PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
 CUOBJDUMP = os.path.join(os.path.dirname(PTXAS), "cuobjdump")
@@ -42,7 +80,7 @@ def stats(fn, signature: dict, constexprs: dict, num_warps: int, num_stages: int
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "k.ptx")
         with open(path, "w") as f:
-            f.write(re.sub(r"\.version \d+\.\d+", ".version 8.8", ptx, count=1))
+            f.write(re.sub(r"\.version \d+\.\d+", ".version 8.7", ptx, count=1))
         out = subprocess.run([PTXAS, "-arch=sm_90a", "-v", path, "-o", os.path.join(tmp, "k.cubin")],
                              capture_output=True, text=True).stderr
         sass = subprocess.run([CUOBJDUMP, "-sass", os.path.join(tmp, "k.cubin")], capture_output=True,
@@ -75,12 +113,12 @@ def loop_sass(sass: str) -> dict:
         if target and int(target.group(1), 16) < address:
             backward.append((int(target.group(1), 16), address))
     if not backward:
-        return dict(loop_sass=None, loop_top=None, backward_branches=0)
+        return dict(loop_sass=None, loop_top=None, backward_branches=0, loop_opcodes=collections.Counter())
     best = max(backward, key=lambda span: span[1] - span[0])
     body = [op for address, op, _ in rows if best[0] <= address <= best[1] and not op.startswith("NOP")]
     top = collections.Counter(op.split(".")[0] for op in body).most_common(5)
     return dict(loop_sass=len(body), loop_top=",".join(f"{op}:{n}" for op, n in top),
-                backward_branches=len(backward))
+                backward_branches=len(backward), loop_opcodes=collections.Counter(body))
 
 
 def stream_kernel(preset_name: str, dim: int, block_n: int, warps: int, maxnreg: int | None, prefetch: bool,
@@ -134,6 +172,9 @@ def main() -> int:
                         help="the splits merged in the launch (trees up to bd688d7, whose kernel had it)")
     parser.add_argument("--pdl", action="store_true", help="the dependent-launch waits in (TQKV_PDL=1)")
     parser.add_argument("--splits", type=int, default=2, help="NUM_SPLITS")
+    parser.add_argument("--histogram", action="store_true", help="every opcode of the tile loop's SASS, counted")
+    parser.add_argument("--site", help="a site-packages read after this interpreter's own (see the module doc)")
+    parser.add_argument("--tree", help="compile this checkout's kernels (see the module doc)")
     parser.add_argument("--query-in-kernel", choices=("auto", "yes", "no"), default="auto",
                         help="the query prepared in the kernel (bf16) or by prepare_query's launch (fp32); "
                              "auto: as the launcher (in the kernel for fp8 keys)")
@@ -143,8 +184,12 @@ def main() -> int:
         result = stream_kernel(name, args.head_dim, args.block_n, args.warps, maxnreg, args.prefetch,
                                query_in_kernel={"auto": None, "yes": True, "no": False}[args.query_in_kernel],
                                merge=args.merge, splits=args.splits, pdl=args.pdl)
+        opcodes = result.pop("loop_opcodes")
         print(f"{name} D{args.head_dim} BLOCK_N {args.block_n} warps {args.warps} maxnreg {maxnreg} "
-              f"prefetch {args.prefetch}: " + " ".join(f"{k}={v}" for k, v in result.items()), flush=True)
+              f"prefetch {args.prefetch} triton {triton.__version__}: "
+              + " ".join(f"{k}={v}" for k, v in result.items()), flush=True)
+        if args.histogram:
+            print("  loop: " + " ".join(f"{op}:{n}" for op, n in opcodes.most_common()), flush=True)
     return 0
 
 

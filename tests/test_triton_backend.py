@@ -52,30 +52,31 @@ def interpreter():
         os.environ["TRITON_INTERPRET"] = previous
 
 
-def _strided_cache(preset, num_blocks: int, fill: int | None = None, pad: int = 0) -> torch.Tensor:
+def _strided_cache(preset, num_blocks: int, fill: int | None = None, pad: int = 0, block: int = BLOCK) -> torch.Tensor:
     """A cache view [NB, BS, Hk, S] over vLLM's CPU layout [NB, Hk, BS, 2D + pad] (not contiguous)."""
     dim = preset.head_dim
     if fill is None:
-        base = torch.randint(0, 256, (num_blocks, KV_HEADS, BLOCK, 2 * dim + pad), dtype=torch.uint8)
+        base = torch.randint(0, 256, (num_blocks, KV_HEADS, block, 2 * dim + pad), dtype=torch.uint8)
     else:
-        base = torch.full((num_blocks, KV_HEADS, BLOCK, 2 * dim + pad), fill, dtype=torch.uint8)
+        base = torch.full((num_blocks, KV_HEADS, block, 2 * dim + pad), fill, dtype=torch.uint8)
     view = base.permute(0, 2, 1, 3)[..., : preset.slot_bytes]
     assert not view.is_contiguous()
     return view
 
 
-def _filled_cache(preset, lengths: list[int], seed: int, pad: int = 0, fill: int = 0):
-    """A strided cache holding `lengths` tokens per sequence, written by the reference, every other byte
-    ``fill``; its block table (block 0 is never in it: it stays ``fill`` throughout)."""
+def _filled_cache(preset, lengths: list[int], seed: int, pad: int = 0, fill: int = 0, block: int = BLOCK):
+    """A strided cache of ``block`` positions a block holding `lengths` tokens per sequence, written by the
+    reference, every other byte ``fill``; its block table (block 0 is never in it: it stays ``fill``
+    throughout)."""
     gen = torch.Generator().manual_seed(seed)
-    width = max(-(-n // BLOCK) for n in lengths) + 1
+    width = max(-(-n // block) for n in lengths) + 1
     num_blocks = len(lengths) * width + 3
-    cache = _strided_cache(preset, num_blocks, fill=fill, pad=pad)
+    cache = _strided_cache(preset, num_blocks, fill=fill, pad=pad, block=block)
     table = (torch.randperm(num_blocks - 1, generator=gen) + 1)[: len(lengths) * width].view(len(lengths), width)
     table = table.to(torch.int32)
     for b, n in enumerate(lengths):
         pos = torch.arange(n)
-        slots = table[b, pos // BLOCK].long() * BLOCK + pos % BLOCK
+        slots = table[b, pos // block].long() * block + pos % block
         key = torch.randn(n, KV_HEADS, preset.head_dim, generator=gen) * 2
         value = torch.randn(n, KV_HEADS, preset.head_dim, generator=gen)
         get_backend("reference").kv_write(key, value, cache, slots, preset)
@@ -86,8 +87,8 @@ def _tolerance(dtype: torch.dtype) -> dict:
     return {torch.bfloat16: dict(atol=2e-2, rtol=1e-2), torch.float16: dict(atol=3e-3, rtol=2e-3)}[dtype]
 
 
-def _attention_both(preset, group, dtype, new_tokens, lengths, seed, pad=0, fill=0, **kernel_args):
-    cache, table, seq_lens = _filled_cache(preset, lengths, seed, pad=pad, fill=fill)
+def _attention_both(preset, group, dtype, new_tokens, lengths, seed, pad=0, fill=0, block=BLOCK, **kernel_args):
+    cache, table, seq_lens = _filled_cache(preset, lengths, seed, pad=pad, fill=fill, block=block)
     starts = torch.tensor([0, *torch.tensor(new_tokens).cumsum(0).tolist()], dtype=torch.int32)
     query = torch.randn(int(starts[-1]), KV_HEADS * group, preset.head_dim,
                         generator=torch.Generator().manual_seed(seed + 1)).to(dtype)
@@ -395,6 +396,20 @@ def test_stream_kernel_matches_reference(preset_name, dim, variant):
     preset = get_preset(preset_name, dim)
     out, expected = _attention_both(preset, 4, torch.float16, [1, 3, 1], [37, 50, 16], seed=dim, fill=0xFF,
                                     kernel="stream", block_n=16, splits=2, **variant)
+    assert not out.isnan().any()
+    torch.testing.assert_close(out.float(), expected.float(), **_tolerance(torch.float16))
+
+
+@pytest.mark.parametrize("block, block_n", [(8, 32), (16, 64), (32, 16)],
+                         ids=["4_blocks_a_tile", "whole_blocks", "tile_within_a_block"])
+@pytest.mark.parametrize("kernel", ["stream", "bytes"])
+def test_kernels_read_every_block_size(kernel, block, block_n):
+    """Blocks smaller than a tile (4 a tile), as large (one a tile) and larger (a tile within a block): each
+    position's slot is found through its block's id; the tail past each sequence's end is 0xFF (NaN) and
+    must be dropped."""
+    preset = get_preset("turboquant_4bit_nc", 64)
+    out, expected = _attention_both(preset, 4, torch.float16, [1, 3, 1], [37, 70, 9], seed=13, fill=0xFF,
+                                    block=block, kernel=kernel, block_n=block_n, splits=2)
     assert not out.isnan().any()
     torch.testing.assert_close(out.float(), expected.float(), **_tolerance(torch.float16))
 
