@@ -574,6 +574,23 @@ def _stream_query(q_ptr, signs_ptr, row, q_heads, head_ok, s_qt, s_qh, s_qd, D: 
 
 
 @triton.jit
+def _stream_fields(kptr, vptr, hptr, base, valid, KEY_FP8: tl.constexpr, KEY_BITS: tl.constexpr,
+                   KEY_CODE_BYTES: tl.constexpr, KEY_WORD: tl.constexpr, VALUE_BITS: tl.constexpr,
+                   VALUE_OFFSET: tl.constexpr, VALUE_CODE_BYTES: tl.constexpr, VALUE_WORD: tl.constexpr):
+    """One tile's loads for the stream kernel: (key words, value words, value scale, value zero, key norm) of
+    the slots at ``base`` (fp8 keys have no norm of their own: the value scale stands in, unused)."""
+    kw = _load_field_h(kptr, base, 0, KEY_CODE_BYTES, KEY_WORD, KEY_BITS == 3)
+    vw = _load_field_h(vptr, base, VALUE_OFFSET, VALUE_CODE_BYTES, VALUE_WORD, VALUE_BITS == 3)
+    vscale = _load_half_h(hptr, base, valid, VALUE_OFFSET + VALUE_CODE_BYTES)
+    vzero = _load_half_h(hptr, base, valid, VALUE_OFFSET + VALUE_CODE_BYTES + 2)
+    if KEY_FP8:
+        knorm = vscale
+    else:
+        knorm = _load_half_h(hptr, base, valid, KEY_CODE_BYTES)
+    return kw, vw, vscale, vzero, knorm
+
+
+@triton.jit
 def _decode_stream_kernel(
     q_ptr, signs_ptr, cache_ptr, block_table_ptr, seq_lens_ptr, qsl_ptr, cent_ptr, key_lut_ptr, part_out_ptr,
     part_lse_ptr,
@@ -589,18 +606,19 @@ def _decode_stream_kernel(
     QUERY_IN_KERNEL: tl.constexpr, ROTATE_QUERY: tl.constexpr, Q_PRE: tl.constexpr, Q_POST: tl.constexpr,
     GDC: tl.constexpr = False,
 ):
-    """The split kernel's contract (see :func:`_decode_split_kernel`) for fp8, 4-bit or 3-bit Lloyd-Max keys
-    with 4-bit or 3-bit uniform values (vLLM's four presets), a cache whose last stride is 1 and whose fields are WORD-byte
-    aligned, its strides given in 2-byte units (h_blk, h_pos, h_head; int32 indexing with INDEX32, when the
+    """The split kernel's contract (see :func:`_decode_split_kernel`) for fp8, 4-bit or 3-bit Lloyd-Max keys with
+    4-bit or 3-bit uniform values (vLLM's four presets), a cache whose last stride is 1 and whose fields are WORD-
+    byte aligned, its strides given in 2-byte units (h_blk, h_pos, h_head; int32 indexing with INDEX32, when the
     view spans fewer than 2^31 such units): every field is read as WORD-byte words and unpacked into natural
-    coordinate order (no query permutation). Its dots are turned around against the other kernels': scores^T =
-    K . q^T and acc^T += V^T . P^T, so the query group is the dots' N side (``BLOCK_H`` >= 8) and the tile's
-    positions their M side (wgmma on Hopper at BLOCK_N 64): a group of 4 pads to 8 instead of 16, which halves
-    the softmax, scaling and accumulator work (H200, 2026-12-04 19:56, ``h200-tune.json``: 4bit_nc 64 x 32768
-    2874 -> 2149 us with the register cap at 128, k8v4 1807 -> 1623). With PREFETCH, the next tile's words and the tile after's block
-    ids are loaded before the current tile is computed (software pipelining by hand: the loads are in flight
-    during the math). With QUERY_IN_KERNEL, ``q_ptr`` is the model's query and :func:`_stream_query` rotates
-    and scales it (no launch of :func:`prepare_query`); otherwise it is prepare_query's."""
+    coordinate order (no query permutation). Its dots are turned around against the other kernels': scores^T = K .
+    q^T and acc^T += V^T . P^T, so the query group is the dots' N side (``BLOCK_H`` >= 8) and the tile's positions
+    their M side (mma.sync m16n8k16 as triton 3.6 compiles it for the H200; wgmma with 3.9): a group of 4 pads to 8
+    instead of 16, which halves the softmax, scaling and accumulator work (H200, 2026-12-04 19:56,
+    ``h200-tune.json``: 4bit_nc 64 x 32768 2874 -> 2149 us with the register cap at 128, k8v4 1807 -> 1623). With
+    PREFETCH, the next tile's words and the tile after's block ids are loaded before the current tile is computed
+    (software pipelining by hand: the loads are in flight during the math). With QUERY_IN_KERNEL, ``q_ptr`` is the
+    model's query and :func:`_stream_query` rotates and scales it (no launch of :func:`prepare_query`); otherwise it
+    is prepare_query's."""
     wait_and_release(GDC)
     row = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -637,28 +655,17 @@ def _decode_stream_kernel(
 
     base, valid = _tile_base(bt_row, s_bm, begin, end, n, kv_head, h_blk, h_pos, h_head, BLOCK_SIZE,
                                INDEX32)
-    kw = _load_field_h(kptr, base, 0, KEY_CODE_BYTES, KEY_WORD, KEY_BITS == 3)
-    vw = _load_field_h(vptr, base, VALUE_OFFSET, VALUE_CODE_BYTES, VALUE_WORD, VALUE_BITS == 3)
-    vscale = _load_half_h(hptr, base, valid, VALUE_OFFSET + VALUE_CODE_BYTES)
-    vzero = _load_half_h(hptr, base, valid, VALUE_OFFSET + VALUE_CODE_BYTES + 2)
-    if KEY_FP8:
-        knorm = vscale
-    else:
-        knorm = _load_half_h(hptr, base, valid, KEY_CODE_BYTES)
+    kw, vw, vscale, vzero, knorm = _stream_fields(kptr, vptr, hptr, base, valid, KEY_FP8, KEY_BITS, KEY_CODE_BYTES,
+                                                  KEY_WORD, VALUE_BITS, VALUE_OFFSET, VALUE_CODE_BYTES, VALUE_WORD)
     if PREFETCH:
         base_next, valid_next = _tile_base(bt_row, s_bm, begin + BLOCK_N, end, n, kv_head, h_blk, h_pos, h_head,
                                            BLOCK_SIZE, INDEX32)
     for start in range(begin, end, BLOCK_N):
         if PREFETCH:
             # issue the next tile's loads and the block ids after it; the math below runs while they fly
-            kw_n = _load_field_h(kptr, base_next, 0, KEY_CODE_BYTES, KEY_WORD, KEY_BITS == 3)
-            vw_n = _load_field_h(vptr, base_next, VALUE_OFFSET, VALUE_CODE_BYTES, VALUE_WORD, VALUE_BITS == 3)
-            vscale_n = _load_half_h(hptr, base_next, valid_next, VALUE_OFFSET + VALUE_CODE_BYTES)
-            vzero_n = _load_half_h(hptr, base_next, valid_next, VALUE_OFFSET + VALUE_CODE_BYTES + 2)
-            if KEY_FP8:
-                knorm_n = vscale_n
-            else:
-                knorm_n = _load_half_h(hptr, base_next, valid_next, KEY_CODE_BYTES)
+            kw_n, vw_n, vscale_n, vzero_n, knorm_n = _stream_fields(
+                kptr, vptr, hptr, base_next, valid_next, KEY_FP8, KEY_BITS, KEY_CODE_BYTES, KEY_WORD, VALUE_BITS,
+                VALUE_OFFSET, VALUE_CODE_BYTES, VALUE_WORD)
             base_after, valid_after = _tile_base(bt_row, s_bm, start + 2 * BLOCK_N, end, n, kv_head, h_blk, h_pos,
                                                  h_head, BLOCK_SIZE, INDEX32)
         valid = start + n < end
@@ -707,14 +714,9 @@ def _decode_stream_kernel(
         else:
             base, valid_t = _tile_base(bt_row, s_bm, start + BLOCK_N, end, n, kv_head, h_blk, h_pos, h_head,
                                        BLOCK_SIZE, INDEX32)
-            kw = _load_field_h(kptr, base, 0, KEY_CODE_BYTES, KEY_WORD, KEY_BITS == 3)
-            vw = _load_field_h(vptr, base, VALUE_OFFSET, VALUE_CODE_BYTES, VALUE_WORD, VALUE_BITS == 3)
-            vscale = _load_half_h(hptr, base, valid_t, VALUE_OFFSET + VALUE_CODE_BYTES)
-            vzero = _load_half_h(hptr, base, valid_t, VALUE_OFFSET + VALUE_CODE_BYTES + 2)
-            if KEY_FP8:
-                knorm = vscale
-            else:
-                knorm = _load_half_h(hptr, base, valid_t, KEY_CODE_BYTES)
+            kw, vw, vscale, vzero, knorm = _stream_fields(kptr, vptr, hptr, base, valid_t, KEY_FP8, KEY_BITS,
+                                                          KEY_CODE_BYTES, KEY_WORD, VALUE_BITS, VALUE_OFFSET,
+                                                          VALUE_CODE_BYTES, VALUE_WORD)
 
     inv = 1.0 / l_i
     if VALUE_BITS == 3:
