@@ -123,7 +123,7 @@ def loop_sass(sass: str) -> dict:
 
 def stream_kernel(preset_name: str, dim: int, block_n: int, warps: int, maxnreg: int | None, prefetch: bool,
                   index32: bool = True, query_in_kernel: bool | None = None, merge: bool = False,
-                  splits: int = 2, pdl: bool = False) -> dict:
+                  splits: int = 2, pdl: bool = False, block_h: int = 8) -> dict:
     p = tqkv_compile.get_preset(preset_name, dim)
     key_word, value_word = (4 if p.key_fp8 else 2), 2  # the GPU's asm path (stream_words)
     constexprs = dict(GROUP=4, BLOCK_H=16, D=dim, BLOCK_SIZE=16, BLOCK_N=block_n, NUM_SPLITS=splits, SEARCH_STEPS=7,
@@ -151,7 +151,7 @@ def stream_kernel(preset_name: str, dim: int, block_n: int, warps: int, maxnreg:
     if "NC_DOT" in ta._decode_stream_kernel.arg_names:  # trees up to 07a1e9e: the query group as the dots' M side
         constexprs.update(NC_DOT=True)
     else:  # the dots turned around: the query group is their N side, padded to 8
-        constexprs.update(BLOCK_H=8)
+        constexprs.update(BLOCK_H=block_h)
     pointers = dict(q_ptr="*bf16" if query_in_kernel else "*fp32", signs_ptr="*fp16", out_ptr="*bf16", count_ptr="*i32", cache_ptr="*u8", block_table_ptr="*i32", seq_lens_ptr="*i32", qsl_ptr="*i32",
                     cent_ptr="*fp32", key_lut_ptr="*i32", value_lut_ptr="*i32", part_out_ptr="*fp32",
                     part_lse_ptr="*fp32")  # (value_lut_ptr: older commits' kernels)
@@ -172,6 +172,9 @@ def main() -> int:
                         help="the splits merged in the launch (trees up to bd688d7, whose kernel had it)")
     parser.add_argument("--pdl", action="store_true", help="the dependent-launch waits in (TQKV_PDL=1)")
     parser.add_argument("--splits", type=int, default=2, help="NUM_SPLITS")
+    parser.add_argument("--block-h", type=int, default=8,
+                        help="the query group's padded width, the dots' N side (the launcher's: 8 for groups up to 8; "
+                             "triton 3.6 compiles N = 8 to mma.sync, 16 and up to wgmma)")
     parser.add_argument("--histogram", action="store_true", help="every opcode of the tile loop's SASS, counted")
     parser.add_argument("--site", help="a site-packages read after this interpreter's own (see the module doc)")
     parser.add_argument("--tree", help="compile this checkout's kernels (see the module doc)")
@@ -183,7 +186,7 @@ def main() -> int:
         maxnreg = args.maxnreg or (128 if args.head_dim <= 128 else 168)
         result = stream_kernel(name, args.head_dim, args.block_n, args.warps, maxnreg, args.prefetch,
                                query_in_kernel={"auto": None, "yes": True, "no": False}[args.query_in_kernel],
-                               merge=args.merge, splits=args.splits, pdl=args.pdl)
+                               merge=args.merge, splits=args.splits, pdl=args.pdl, block_h=args.block_h)
         opcodes = result.pop("loop_opcodes")
         print(f"{name} D{args.head_dim} BLOCK_N {args.block_n} warps {args.warps} maxnreg {maxnreg} "
               f"prefetch {args.prefetch} triton {triton.__version__}: "
