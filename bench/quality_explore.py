@@ -18,6 +18,15 @@ measured on the calibration window; none adds bytes to a slot):
   the query covariance (M^-1 folds into o_proj: free at the read).
 - ``mv``: subtract the calibrated mean value (added back at the read).
 - ``sink<N>``: the sequence's first N tokens kept in bf16 (per-sequence storage, not slot-local).
+- ``kt`` / ``vt``: transform coding instead of the Hadamard's equal bits. Keys are mapped to the query metric
+  (k A, A = E[q q^T]^(1/2): there the squared error is the expected squared logit error), then to that
+  space's principal axes (the KLT: eigenvectors U of A S_k A, variances l_i); the mix's code bits (k5: 320)
+  go to the axes by greedy reverse water-filling on the Gaussian Lloyd-Max distortion (0 to 8 bits each);
+  each axis is coded with a Gaussian Lloyd-Max codebook scaled by sqrt(l_i) times a per-token fp16 scale
+  (the slot's norm field). The read multiplies by (A U)^-1 (foldable into the query, as the rotation is).
+  ``vt`` does the same for values in the output projection's metric (W = sum_h Wo_h^T Wo_h; the inverse folds
+  into o_proj). Same slot bytes as the mix. ``kt<N>`` / ``vt<N>``: at least N bits on every axis; ``tn``: the coded
+  vector rescaled to the original's norm in the transformed space (TurboQuant's norm correction).
 
     python bench/quality_explore.py --configs k5v3,k5v3+mk,k5v3+mk+ks [--tokens 4096]
 """
@@ -25,6 +34,7 @@ measured on the calibration window; none adds bytes to a slot):
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import re
 import sys
@@ -61,6 +71,7 @@ class Config:
     seq_mean: int = 0
     seq_skip0: bool = False
     sink: int = 0
+    transform_floor: dict = None  # kt<N> / vt<N>: at least N bits on every axis
     key_power: float = 0.25  # ks<p>: s_c = (E[q_c^2] / E[k_c^2])^p
     value_power: float = 0.25
 
@@ -74,13 +85,17 @@ def parse_config(text: str) -> Config:
             cfg.seq_mean, cfg.seq_skip0 = int(m.group(1)), bool(m.group(2))
         elif m := re.fullmatch(r"sink(\d+)", flag):
             cfg.sink = int(m.group(1))
+        elif m := re.fullmatch(r"([kv]t)(\d)", flag):
+            cfg.flags.add(m.group(1))
+            cfg.transform_floor = {**(cfg.transform_floor or {}), m.group(1)[0]: int(m.group(2))}
         elif m := re.fullmatch(r"([kv]s)([\d.]+)", flag):
             cfg.flags.add(m.group(1))
             if m.group(1) == "ks":
                 cfg.key_power = float(m.group(2))
             else:
                 cfg.value_power = float(m.group(2))
-        elif flag in ("mk", "ks", "kS", "vs", "vS", "mv", "vraw", "vproj", "kraw", "kproj", "vub", "kub", "konly", "vonly"):
+        elif flag in ("mk", "ks", "kS", "vs", "vS", "mv", "vraw", "vproj", "kraw", "kproj", "vub", "kub", "konly", "vonly",
+                      "kt", "vt", "tn"):
             cfg.flags.add(flag)
         else:
             raise ValueError(f"bad flag {flag!r} in {text!r}")
@@ -107,6 +122,73 @@ def geo_transform(sx: torch.Tensor, sw: torch.Tensor) -> torch.Tensor:
     a = (a + a.T) / 2
     m = sqrtm(a)
     return m / torch.linalg.det(m).abs() ** (1 / m.shape[0])
+
+
+@functools.lru_cache(maxsize=None)
+def gaussian_codebook(bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(centroids, midpoints) of the 2^bits-level Lloyd-Max quantizer of N(0, 1), by Lloyd's iteration on a
+    fine grid (the codec's table is built for 1-4 bits; this one is good to 8)."""
+    x = torch.linspace(-9, 9, 400_001, dtype=torch.float64)
+    pdf = torch.exp(-x * x / 2)
+    levels = 2 ** bits
+    c = torch.linspace(-3.5, 3.5, levels, dtype=torch.float64) * (1 - 1 / levels)
+    for _ in range(2000):
+        mid = (c[:-1] + c[1:]) / 2
+        cell = torch.bucketize(x, mid)
+        mass = torch.zeros(levels, dtype=torch.float64).index_add_(0, cell, pdf)
+        moment = torch.zeros(levels, dtype=torch.float64).index_add_(0, cell, pdf * x)
+        new = moment / mass.clamp_min(1e-300)
+        if float((new - c).abs().max()) < 1e-9:
+            c = new
+            break
+        c = new
+    return c.float(), ((c[:-1] + c[1:]) / 2).float()
+
+
+def gaussian_distortion(bits: int) -> float:
+    """E[(x - Q(x))^2] of :func:`gaussian_codebook` for x ~ N(0, 1) (1 at 0 bits)."""
+    if bits == 0:
+        return 1.0
+    c, mid = gaussian_codebook(bits)
+    x = torch.linspace(-9, 9, 400_001, dtype=torch.float64)
+    pdf = torch.exp(-x * x / 2)
+    err = (x - c.double()[torch.bucketize(x.float(), mid)]) ** 2
+    return float((err * pdf).sum() / pdf.sum())
+
+
+def allocate_bits(variances: torch.Tensor, budget: int, cap: int = 8, floor: int = 0) -> torch.Tensor:
+    """Integer bits per axis (sum = budget, each floor..cap) minimising sum l_i d(b_i) by greedy reverse
+    water-filling (optimal: d is convex and decreasing)."""
+    d = torch.tensor([gaussian_distortion(b) for b in range(cap + 2)], dtype=torch.float64)
+    lam = variances.double().clamp_min(0)
+    bits = torch.full((lam.numel(),), floor, dtype=torch.long)
+    for _ in range(budget - floor * lam.numel()):
+        gain = lam * (d[bits] - d[(bits + 1).clamp_max(cap + 1)])
+        gain[bits >= cap] = -1
+        bits[int(gain.argmax())] += 1
+    return bits
+
+
+def transform_round_trip(y: torch.Tensor, scales: torch.Tensor, bits: torch.Tensor,
+                         norm_correction: bool = False) -> torch.Tensor:
+    """Codes y (fp32 [N, D], in principal axes with standard deviations ``scales``) at ``bits`` per axis with
+    Gaussian Lloyd-Max codebooks, after a per-token fp16 scale that makes y's total energy the calibrated one;
+    with ``norm_correction`` the answer is rescaled to y's norm (as TurboQuant's nc presets do: the fp16
+    field then holds the norm)."""
+    total = float((scales ** 2).sum())
+    token = (y.norm(dim=1, keepdim=True) / math.sqrt(total)).half().float().clamp_min(1e-8)
+    z = y / (token * scales)
+    out = torch.zeros_like(y)
+    for b in bits.unique().tolist():
+        if b == 0:
+            continue
+        cols = (bits == b).nonzero().flatten()
+        c, mid = gaussian_codebook(b)
+        out[:, cols] = c[torch.bucketize(z[:, cols].contiguous(), mid)]
+    out = out * token * scales
+    if norm_correction:
+        out = out * (y.norm(dim=1, keepdim=True).half().float() / out.norm(dim=1, keepdim=True).clamp_min(1e-12))
+    return out
 
 
 def lloyd_max_round_trip(x: torch.Tensor, bits: int, wide: int, mode: str) -> torch.Tensor:
@@ -201,6 +283,49 @@ class Explore(Q.KVRoundTrip):
         c[key] = out
         return out
 
+    def transform_coder(self, layer: int, side: str, cfg: Config):
+        """(forward [Hk, D, D], inverse [Hk, D, D], axis scales [Hk, D], bits [Hk, D]) of ``kt`` (side "k") or
+        ``vt`` ("v"), cached: the metric's square root times the KLT of the side's calibrated second moment
+        in it (centred where the mean is taken out), and the bit allocation over its axes."""
+        c = self.const[layer]
+        spec = cfg.preset.spec
+        floor = (cfg.transform_floor or {}).get(side, 0)
+        key = ("kt" if side == "k" else "vt", layer, "mk" in cfg.flags, "mv" in cfg.flags, spec, floor)
+        if key in c:
+            return c[key]
+        if side == "k":
+            second = c["k_cov"] if "mk" in cfg.flags else c["k_second"]
+            metric = c["q_second"]
+            budget = round((spec.key_bits + spec.key_extra_bits) * HEAD_DIM)
+        else:
+            second = c["v_cov"] if "mv" in cfg.flags else c["v_second"]
+            metric = c["w"]
+            budget = round((spec.value_bits + spec.value_extra_bits) * HEAD_DIM)
+        forward, inverse, scales, bits = [], [], [], []
+        eye = torch.eye(HEAD_DIM, dtype=torch.float64)
+        for h in range(second.shape[0]):
+            m = metric[h].double()
+            a = sqrtm(m + 1e-5 * torch.trace(m) / HEAD_DIM * eye)
+            lam, u = torch.linalg.eigh(a @ second[h].double() @ a)
+            lam, u = lam.flip(0).clamp_min(0), u.flip(1)
+            t = a @ u
+            forward.append(t.float())
+            inverse.append(torch.linalg.inv(t).float())
+            scales.append(lam.sqrt().float().clamp_min(1e-12))
+            bits.append(allocate_bits(lam, budget, floor=floor))
+        out = (torch.stack(forward), torch.stack(inverse), torch.stack(scales), torch.stack(bits))
+        c[key] = out
+        return out
+
+    def transform_code(self, x: torch.Tensor, layer: int, side: str, cfg: Config) -> torch.Tensor:
+        """x fp32 [N, Hk, D] through ``kt`` / ``vt``'s coder and back."""
+        forward, inverse, scales, bits = self.transform_coder(layer, side, cfg)
+        out = torch.empty_like(x)
+        for h in range(x.shape[1]):
+            y = x[:, h] @ forward[h]
+            out[:, h] = transform_round_trip(y, scales[h], bits[h], "tn" in cfg.flags) @ inverse[h]
+        return out
+
     # -- the cache round trip ----------------------------------------------------------------
     def __call__(self, layer, key, value, query=None):
         if self.calibrate:
@@ -235,6 +360,10 @@ class Explore(Q.KVRoundTrip):
             if "k" + mode in cfg.flags and not p.key_outliers:
                 k_hat = lloyd_max_round_trip(flat[0].reshape(-1, dim), p.key_bits, p.key_wide_coords,
                                              mode).reshape(k_hat.shape)
+        if "kt" in cfg.flags:
+            k_hat = self.transform_code(flat[0], layer, "k", cfg)
+        if "vt" in cfg.flags:
+            v_hat = self.transform_code(flat[1], layer, "v", cfg)
         if "konly" in cfg.flags:  # diagnostics: the other side exact (bf16)
             v_hat = flat[1].to(torch.bfloat16).float()
         if "vonly" in cfg.flags:
