@@ -138,3 +138,13 @@ def test_bad_codec_input_raises_value_error_naming_the_argument(call, message):
 def test_integer_key_raises_type_error():
     with pytest.raises(TypeError, match="key"):
         get_preset("turboquant_4bit_nc", 64).encode(torch.zeros(2, 1, 64, dtype=torch.int32), torch.zeros(2, 1, 64))
+
+
+@pytest.mark.parametrize("head_dim", [4096 / 32, True, "128"])
+def test_a_head_size_that_is_not_an_int_raises_type_error_and_leaves_the_cache_alone(head_dim):
+    """hidden_size / num_heads is a float; 128.0 == 128 as a cache key, so a float that got in would be
+    served as head 128's preset to every later caller (whose ops then failed on a float head size)."""
+    with pytest.raises(TypeError, match="head_dim"):
+        get_preset("turboquant_4bit_nc", head_dim)
+    preset = get_preset("turboquant_4bit_nc", 128)
+    assert type(preset.head_dim) is int and preset.head_dim == 128

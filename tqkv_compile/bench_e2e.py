@@ -362,17 +362,22 @@ def main(argv: list[str] | None = None) -> int:
                "prefill+decode steps; decode_step_ms is one such step. prefill s: one token on fresh prompts. With "
                "prefix caching off both runs pay the same prefill and the difference still holds.")
     parser.add_argument("--model", help="model folder (config.json is enough); default: the Llama-3-8B shape")
-    parser.add_argument("--configs", default=",".join(DEFAULT_CONFIGS), help="comma-separated configurations")
+    parser.add_argument("--configs", default=",".join(DEFAULT_CONFIGS),
+                        help="comma-separated configurations: bf16, fp8, vllm_tq:<preset> (vLLM's TurboQuant), "
+                             "tqkv:<preset> (compiled with tqkv's pass), tqkv_eager:<preset> (tqkv's ops, no "
+                             "compilation); default %(default)s")
     parser.add_argument("--cases", default=",".join(f"{b}x{p}x{n}" for b, p, n in DEFAULT_CASES),
-                        help="comma-separated BxPxN cases (batch x prompt tokens x new tokens)")
-    parser.add_argument("--dtype", default="bfloat16", help="activation dtype (vLLM's --dtype)")
+                        help="comma-separated BxPxN cases (batch x prompt tokens x new tokens); default %(default)s")
+    parser.add_argument("--dtype", default="bfloat16", help="activation dtype (vLLM's --dtype; default %(default)s)")
     parser.add_argument("--enforce-eager", action="store_true", help="every configuration without compilation")
-    parser.add_argument("--gpu-memory-utilization", type=float, default=None)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=None)
+    parser.add_argument("--gpu-memory-utilization", type=float, default=None,
+                        help="vLLM's share of GPU memory (default: vLLM's)")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None,
+                        help="vLLM's token budget a step (smaller than a prompt: chunked prefill; default: vLLM's)")
     parser.add_argument("--repeats", type=int, default=3,
                         help="(2-token, N-token) run pairs per case; the median step time is reported, every "
                              "pair's in decode_step_ms_runs (default 3)")
-    parser.add_argument("--timeout", type=int, default=1800, help="seconds per configuration")
+    parser.add_argument("--timeout", type=int, default=1800, help="seconds per configuration (default %(default)s)")
     parser.add_argument("--check-values", action="store_true",
                         help="keep the tqkv ops' value checks (host syncs) on while timing")
     parser.add_argument("--out", help="JSON path for the records")

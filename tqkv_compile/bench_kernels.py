@@ -447,10 +447,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tqkv bench kernels", description=__doc__.split("\n")[0])
     parser.add_argument("--out", help="JSON path for the records")
     parser.add_argument("--plot", help="PNG path: achieved bandwidth vs context")
-    parser.add_argument("--presets", default=",".join(PRESETS), help="comma-separated TurboQuant presets")
+    parser.add_argument("--presets", default=",".join(PRESETS),
+                        help="comma-separated TurboQuant presets (default %(default)s)")
     parser.add_argument("--cases", default=",".join(f"{b}x{l}" for b, l in CASES),
-                        help="comma-separated BATCHxCONTEXT decode cases")
-    parser.add_argument("--write-tokens", default=",".join(map(str, WRITE_TOKENS)), help="kv_write token counts")
+                        help="comma-separated BATCHxCONTEXT decode cases (default %(default)s)")
+    parser.add_argument("--write-tokens", default=",".join(map(str, WRITE_TOKENS)),
+                        help="kv_write token counts (default %(default)s)")
     parser.add_argument("--prefill", default="",
                         help="comma-separated BATCHxPROMPT prefill cases (whole prompts; default: none)")
     parser.add_argument("--no-baselines", action="store_true", help="time tqkv only")
@@ -463,7 +465,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="replay one block table per decode case (the L2 may hold a small case's cache); default: "
                              "cycle through disjoint ones so that no call finds its blocks in L2, as in an engine")
     parser.add_argument("--check", action="store_true", help="compare the Triton backend with the reference, then exit")
-    parser.add_argument("--dims", default="64,128,256", help="head sizes for --check")
+    parser.add_argument("--dims", default="64,128,256", help="head sizes for --check (default %(default)s)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_kernels: needs a CUDA GPU", file=sys.stderr)

@@ -21,8 +21,8 @@ def main(argv: list[str] | None = None) -> int:
 
     quality.add_arguments(commands.add_parser(
         "quality", help="perplexity of SmolLM2-135M on Jane Austen with K/V read through each preset"))
-    bench = commands.add_parser("bench", help="benchmarks (GPU)")
-    bench_kinds = bench.add_subparsers(dest="kind", required=True)
+    bench = commands.add_parser("bench", help="benchmarks: the kernels (GPU), the engine end to end (GPU; CPU too)")
+    bench_kinds = bench.add_subparsers(dest="kind", required=True, metavar="{kernels,e2e}")
     bench_kinds.add_parser("kernels", help="per-layer kernel timings against FA3 and vLLM's TurboQuant", add_help=False)
     bench_kinds.add_parser("e2e", help="the vLLM engine's decode tokens/s per cache configuration", add_help=False)
 

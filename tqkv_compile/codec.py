@@ -35,6 +35,7 @@ never read or written).
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -423,9 +424,17 @@ def own_preset_names() -> list[str]:
     return list(OWN_PRESETS)
 
 
-@lru_cache(maxsize=None)
 def get_preset(name: str, head_dim: int) -> Preset:
-    """The preset ``name`` (vLLM's or ours) at ``head_dim``; ValueError names the valid choices."""
+    """The preset ``name`` (vLLM's or ours) at ``head_dim``; ValueError names the valid choices, TypeError a
+    head size that is not an integer (``hidden_size / num_heads`` is a float: 128.0 would be cached as 128's
+    preset with a float head size, and every later op on head 128 would fail)."""
+    if isinstance(head_dim, bool) or not hasattr(head_dim, "__index__"):
+        raise TypeError(f"head_dim: expected an int, got {head_dim!r} ({type(head_dim).__name__})")
+    return _get_preset(name, operator.index(head_dim))
+
+
+@lru_cache(maxsize=None)
+def _get_preset(name: str, head_dim: int) -> Preset:
     spec = PRESETS.get(name) or OWN_PRESETS.get(name)
     if spec is None:
         valid = ", ".join([*PRESETS, *OWN_PRESETS])

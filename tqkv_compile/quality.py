@@ -44,11 +44,16 @@ def default_rows() -> list[str]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from tqkv_compile.demo import positive_int
+
     parser.add_argument("--presets", default=",".join(default_rows()),
-                        help="comma-separated rows: bf16, fp8, TurboQuant presets (default: all)")
-    parser.add_argument("--tokens", type=int, default=16384, help="evaluated tokens (rounded up to whole windows)")
-    parser.add_argument("--window", type=int, default=2048, help="tokens per teacher-forced window")
-    parser.add_argument("--threads", type=int, default=2, help="torch CPU threads")
+                        help="comma-separated rows: bf16, fp8, vLLM's TurboQuant presets and tqkv's own "
+                             "(default: all)")
+    parser.add_argument("--tokens", type=positive_int, default=16384,
+                        help="evaluated tokens, rounded up to whole windows (default %(default)s)")
+    parser.add_argument("--window", type=positive_int, default=2048,
+                        help="tokens per teacher-forced window (default %(default)s)")
+    parser.add_argument("--threads", type=positive_int, default=2, help="torch CPU threads (default %(default)s)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                         help="compute dtype of the transformer (the LM head and the codec stay fp32); "
                              "bfloat16 was no faster end to end on the 2-core CI machine")

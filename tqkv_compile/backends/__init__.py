@@ -119,7 +119,9 @@ def select_backend(device: torch.device, preset=None) -> MemoryBackend:
     if name:
         backend = get_backend(name)
         if not backend.supports(device):
-            raise ValueError(f"backend: {name!r} does not support device {device}")
+            hint = (" (Triton runs on the CPU only interpreted: set TRITON_INTERPRET=1 before triton is imported)"
+                    if name == "triton" and torch.device(device).type == "cpu" else "")
+            raise ValueError(f"backend: {name!r} does not support device {device}{hint}")
         if not _supports_preset(backend, preset):
             raise ValueError(f"backend: {name!r} does not support preset {preset.name!r}")
         return backend

@@ -20,8 +20,13 @@ def register() -> None:
     global _done
     if _done or os.environ.get("TQKV_ENABLE", "0") in ("", "0", "false", "False"):
         return
+    from tqkv_compile.codec import OWN_PRESETS
     from tqkv_compile.vllm import adapter
 
+    preset = os.environ.get("TQKV_PRESET")
+    if preset and preset not in OWN_PRESETS:  # else every layer would fall back, with nothing but an info log
+        raise ValueError(f"TQKV_PRESET={preset!r} is not a preset of tqkv's; choose one of "
+                         f"{', '.join(OWN_PRESETS)}, or unset it to store the cache dtype's own preset")
     reason = adapter.unsupported_reason()
     if reason:
         logger.warning("tqkv: not enabled: %s", reason)

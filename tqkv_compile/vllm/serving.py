@@ -115,7 +115,10 @@ def vllm_attends(layer: Any, output_scale: Any, output_block_scale: Any) -> bool
 def record_fallback(name: str, reason: str) -> None:
     if fallbacks.get(name) != reason:
         fallbacks[name] = reason
-        logger.info("tqkv: layer %s stays on vLLM's path: %s", name, reason)
+        # a preset of ours that does not ride on the layer's cache dtype is the user's choice gone unserved: a
+        # warning; the other reasons (boundary layers, shapes tqkv does not serve) are expected: info
+        level = logging.WARNING if reason.startswith("tqkv preset") else logging.INFO
+        logger.log(level, "tqkv: layer %s stays on vLLM's path: %s", name, reason)
         write_report()
 
 
