@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from tqkv_compile import cli
@@ -28,6 +30,21 @@ def test_a_model_folder_vllm_cannot_read_is_named(tmp_path, command):
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(SystemExit, match="config.json is not readable JSON"):
         cli.main([command, "--model", str(tmp_path)])
+    (tmp_path / "config.json").write_text('{"num_hidden_layers": 6, "hidden_size": 512}')
+    with pytest.raises(SystemExit, match="has no num_attention_heads, vocab_size$"):
+        cli.main([command, "--model", str(tmp_path)])
+
+
+def test_a_multimodal_config_is_read_through_its_text_config(tmp_path):
+    """The language model's shape nested as text_config (e.g. Gemma 3) is what the demo sizes the cache by."""
+    from tqkv_compile import demo
+
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["Gemma3ForConditionalGeneration"],
+                                                      "text_config": {"num_attention_heads": 8, "num_key_value_heads": 4,
+                                                                      "num_hidden_layers": 6, "vocab_size": 1000,
+                                                                      "hidden_size": 1024}}))
+    demo.check_model("demo", str(tmp_path))
+    assert demo._model_shape(str(tmp_path)) == (6, 4, 128)
 
 
 def test_quality_names_an_unknown_preset_and_the_valid_ones(capsys):

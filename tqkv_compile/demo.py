@@ -47,16 +47,28 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
                         "on one of these: TQKV_PRESET=NAME in the environment (README)")
 
 
+def text_config(config: dict) -> dict:
+    """The language model's part of a model's config.json (multimodal configs nest it as ``text_config``)."""
+    return config.get("text_config") or config
+
+
 def check_model(command: str, model: str) -> None:
-    """A one-line exit for a model folder vLLM could not read (else: vLLM's stack trace, a minute later)."""
+    """A one-line exit for a model folder vLLM could not read, or whose shape the demo cannot read (else: a
+    stack trace, minutes later)."""
     config = os.path.join(model, "config.json")
     if not os.path.isfile(config):
         raise SystemExit(f"tqkv {command}: --model {model}: no config.json there")
     try:
         with open(config) as f:
-            json.load(f)
-    except (OSError, ValueError) as exc:
+            cfg = text_config(json.load(f))
+    except (OSError, ValueError, AttributeError) as exc:
         raise SystemExit(f"tqkv {command}: --model {model}: config.json is not readable JSON ({exc})") from None
+    missing = [key for key in ("num_attention_heads", "num_hidden_layers", "vocab_size") if key not in cfg]
+    if "head_dim" not in cfg and "hidden_size" not in cfg:
+        missing.append("head_dim or hidden_size")
+    if missing:
+        raise SystemExit(f"tqkv {command}: --model {model}: config.json (or its text_config) has no "
+                         f"{', '.join(missing)}")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -147,7 +159,7 @@ def compare_forced(a: dict, b: dict) -> dict:
 
 def _model_shape(model: str) -> tuple[int, int, int]:
     with open(os.path.join(model, "config.json")) as f:
-        cfg = json.load(f)
+        cfg = text_config(json.load(f))
     heads = cfg["num_attention_heads"]
     kv_heads = cfg.get("num_key_value_heads") or heads
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
@@ -173,8 +185,11 @@ def run(args: argparse.Namespace) -> int:
 
         args.dtype = default_dtype()
     check_model("demo", model)
+    # prompts of prompt-len + 7 i tokens (engine_run), then new-tokens: the engine must hold the longest
+    longest = args.prompt_len + 7 * (args.prompts - 1) + args.new_tokens
     common = ["--kv-cache-dtype", args.kv_cache_dtype, "--dtype", args.dtype, "--prompts", str(args.prompts),
-              "--prompt-len", str(args.prompt_len), "--new-tokens", str(args.new_tokens)]
+              "--prompt-len", str(args.prompt_len), "--new-tokens", str(args.new_tokens),
+              "--max-model-len", str(max(512, -(-longest // 16) * 16))]
     log_dir = tempfile.mkdtemp(prefix="tqkv-demo-")
     steps = 2 if args.no_baseline else 3
     _say(f"model {model}, cache {args.kv_cache_dtype}, {args.dtype} activations; {steps} vLLM runs, about a "

@@ -113,8 +113,10 @@ def run(args: argparse.Namespace) -> dict:
     llm = LLM(**kwargs)
     start_s = time.perf_counter() - started
     config = llm.llm_engine.vllm_config
+    from tqkv_compile.demo import text_config
+
     with open(os.path.join(args.model, "config.json")) as f:
-        vocab = json.load(f)["vocab_size"]
+        vocab = text_config(json.load(f))["vocab_size"]
     if args.prompt_ids:
         with open(args.prompt_ids) as f:
             prompts = [{"prompt_token_ids": p} for p in json.load(f)]
