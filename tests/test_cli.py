@@ -15,6 +15,7 @@ from tqkv_compile import cli
     (["demo", "--new-tokens", "-1"], "argument --new-tokens: expected at least 1"),
     (["demo", "--dtype", "float99"], "argument --dtype: invalid choice"),
     (["inspect", "--kv-cache-dtype", "nope"], "argument --kv-cache-dtype: invalid choice"),
+    (["demo", "--preset", "turboquant_4bit_nc"], "argument --preset: invalid choice"),
 ])
 def test_bad_arguments_stop_at_parsing_with_one_line(capsys, argv, message):
     with pytest.raises(SystemExit) as stop:
@@ -51,3 +52,8 @@ def test_quality_names_an_unknown_preset_and_the_valid_ones(capsys):
     assert cli.main(["quality", "--presets", "bf16,nope"]) == 2
     err = capsys.readouterr().err
     assert "unknown TurboQuant preset 'nope'" in err and "tqkv_k5v3" in err
+
+
+def test_a_preset_of_ours_must_ride_on_the_cache_dtype_asked_for():
+    with pytest.raises(SystemExit, match="--preset tqkv_k4o1v225 rides on turboquant_k3v4_nc; add --kv-cache-dtype"):
+        cli.main(["demo", "--preset", "tqkv_k4o1v225"])

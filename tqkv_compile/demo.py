@@ -44,7 +44,7 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
                    "a built-in 6-layer Llama")
     p.add_argument("--kv-cache-dtype", default="turboquant_4bit_nc", choices=preset_names(), metavar="PRESET",
                    help="vLLM's TurboQuant preset (default %(default)s; one of: %(choices)s). Presets of ours ride "
-                        "on one of these: TQKV_PRESET=NAME in the environment (README)")
+                        "on one of these: the demo's --preset, or TQKV_PRESET=NAME in the environment (README)")
 
 
 def text_config(config: dict) -> dict:
@@ -72,7 +72,12 @@ def check_model(command: str, model: str) -> None:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from tqkv_compile.codec import own_preset_names
+
     add_model_arguments(p)
+    p.add_argument("--preset", default=None, choices=own_preset_names(), metavar="OURS",
+                   help="a preset of tqkv's to store in the caches of the --kv-cache-dtype it rides on (one of: "
+                        "%(choices)s; sets TQKV_PRESET for the runs); default: the cache dtype's own")
     p.add_argument("--prompts", type=positive_int, default=4, help="sequences decoded together (default %(default)s)")
     p.add_argument("--prompt-len", type=positive_int, default=40, help="prompt tokens each (default %(default)s)")
     p.add_argument("--new-tokens", type=positive_int, default=24,
@@ -185,6 +190,13 @@ def run(args: argparse.Namespace) -> int:
 
         args.dtype = default_dtype()
     check_model("demo", model)
+    if args.preset:
+        from tqkv_compile.codec import OWN_PRESETS
+
+        host = OWN_PRESETS[args.preset].rides_on
+        if host != args.kv_cache_dtype:
+            raise SystemExit(f"tqkv demo: --preset {args.preset} rides on {host}; add --kv-cache-dtype {host}")
+        os.environ["TQKV_PRESET"] = args.preset  # the engine runs' environment, and stored_preset below
     # prompts of prompt-len + 7 i tokens (engine_run), then new-tokens: the engine must hold the longest
     longest = args.prompt_len + 7 * (args.prompts - 1) + args.new_tokens
     common = ["--kv-cache-dtype", args.kv_cache_dtype, "--dtype", args.dtype, "--prompts", str(args.prompts),
