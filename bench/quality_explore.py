@@ -386,24 +386,20 @@ class Explore(Q.KVRoundTrip):
 def evaluate(model, head, chunks, label, reference=None):
     """(ppl, tokens, mean KL(reference || this) in nats per token or None, per-window ppl); ``reference``: a
     list to fill with each window's bf16 log-probabilities (empty) or to compare against."""
-    nll, count, kl, per_window = 0.0, 0, 0.0, []
-    start = time.time()
-    for i, chunk in enumerate(chunks):
-        hidden = model.model(chunk[None, :-1]).last_hidden_state[0].float()
-        logp = torch.log_softmax(hidden @ head.T, dim=-1)
-        w = float(-logp.gather(1, chunk[1:, None]).sum())
-        nll += w
-        per_window.append(math.exp(w / (chunk.numel() - 1)))
-        count += chunk.numel() - 1
+    kl, per_window = [0.0], []
+
+    def window(i: int, logits: torch.Tensor, nll: float) -> None:
+        per_window.append(math.exp(nll / logits.shape[0]))
         if reference is not None:
+            logp = torch.log_softmax(logits, dim=-1)
             if len(reference) <= i:
                 reference.append(logp.to(torch.bfloat16))
             else:
                 ref = reference[i].float()
-                kl += float((ref.exp() * (ref - logp)).sum())
-        print(f"  {label}: window {i + 1}/{len(chunks)}, running ppl {math.exp(nll / count):.3f}, "
-              f"{time.time() - start:.0f} s", file=sys.stderr, flush=True)
-    return math.exp(nll / count), count, (kl / count if reference is not None else None), per_window
+                kl[0] += float((ref.exp() * (ref - logp)).sum())
+
+    ppl, count = Q.perplexity(model, head, chunks, label, on_window=window)
+    return ppl, count, (kl[0] / count if reference is not None else None), per_window
 
 
 def main() -> int:

@@ -219,13 +219,20 @@ def fp32_head(model) -> torch.Tensor:
 
 
 @torch.no_grad()
-def perplexity(model, head: torch.Tensor, chunks: list[torch.Tensor], label: str) -> tuple[float, int]:
+def perplexity(model, head: torch.Tensor, chunks: list[torch.Tensor], label: str,
+               on_window=None) -> tuple[float, int]:
+    """(perplexity, evaluated tokens) of teacher-forced ``chunks``; ``on_window(i, logits, nll)``, if given,
+    sees each window's fp32 logits [tokens, vocab] and summed negative log-likelihood (experiments' extra
+    measures: bench/quality_explore.py)."""
     nll, count = 0.0, 0
     start = time.time()
     for i, chunk in enumerate(chunks):
         hidden = model.model(chunk[None, :-1]).last_hidden_state[0].float()
         logits = hidden @ head.T
-        nll += float(torch.nn.functional.cross_entropy(logits, chunk[1:], reduction="sum"))
+        window = float(torch.nn.functional.cross_entropy(logits, chunk[1:], reduction="sum"))
+        if on_window is not None:
+            on_window(i, logits, window)
+        nll += window
         count += chunk.numel() - 1
         _log(f"  {label}: window {i + 1}/{len(chunks)}, running ppl {math.exp(nll / count):.3f}, "
              f"{time.time() - start:.0f} s")
