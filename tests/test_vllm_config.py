@@ -57,3 +57,24 @@ def test_the_plugin_refuses_a_preset_name_it_does_not_know(monkeypatch):
     with pytest.raises(ValueError, match="TQKV_PRESET='tqkv_k5v33' is not a preset of tqkv's.*tqkv_k5v3"):
         plugin.register()
     assert plugin._done is False
+
+
+def test_a_preset_asked_for_but_not_served_is_a_warning_other_fallbacks_are_info(monkeypatch, caplog):
+    """A layer whose cache dtype the asked-for preset does not ride on: a warning naming both; a layer vLLM
+    keeps uncompressed: info."""
+    import logging
+    from types import SimpleNamespace
+
+    from tqkv_compile.vllm import serving
+
+    monkeypatch.setenv("TQKV_PRESET", "tqkv_k5v3")  # rides on turboquant_4bit_nc
+    monkeypatch.setattr(serving, "fallbacks", {})
+    monkeypatch.setattr(serving, "write_report", lambda: None)
+    layer = SimpleNamespace(layer_name="l3", kv_cache_dtype="turboquant_k3v4_nc", head_size=64, impl=None)
+    reason = serving.layer_fit(layer)
+    assert reason.startswith(serving.UNSERVED_PRESET) and "turboquant_4bit_nc" in reason
+    with caplog.at_level(logging.INFO, logger="vllm.tqkv_compile"):
+        serving.record_fallback("l3", reason)
+        serving.record_fallback("l0", "kv cache dtype 'auto' is not TurboQuant")
+    levels = {r.getMessage().split(":")[1].split()[1]: r.levelno for r in caplog.records}
+    assert levels == {"l3": logging.WARNING, "l0": logging.INFO}

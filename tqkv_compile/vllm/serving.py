@@ -41,6 +41,10 @@ def stored_preset(cache_dtype: str) -> str:
     return cache_dtype
 
 
+#: how layer_fit's reasons begin where a preset of ours asked for cannot be served (logged as a warning)
+UNSERVED_PRESET = "tqkv preset"
+
+
 def layer_fit(layer: Any) -> str | None:
     """None when tqkv serves this attention layer; else the reason it stays on vLLM's own path."""
     reason = adapter.unsupported_reason()
@@ -60,8 +64,8 @@ def layer_fit(layer: Any) -> str | None:
     own = own_preset()
     if own is not None and stored_preset(dtype) != own:
         host = OWN_PRESETS[own].rides_on if own in OWN_PRESETS else None
-        return (f"tqkv preset {own!r} rides on {host!r}, not on this layer's {dtype!r}" if host
-                else f"tqkv preset {own!r} is unknown (TQKV_PRESET); presets of ours: {', '.join(OWN_PRESETS)}")
+        return (f"{UNSERVED_PRESET} {own!r} rides on {host!r}, not on this layer's {dtype!r}" if host
+                else f"{UNSERVED_PRESET} {own!r} is unknown (TQKV_PRESET); presets of ours: {', '.join(OWN_PRESETS)}")
     impl = getattr(layer, "impl", None)
     head_size = getattr(layer, "head_size", None) or getattr(impl, "head_size", None)
     if head_size not in SUPPORTED_HEAD_DIMS:
@@ -115,9 +119,9 @@ def vllm_attends(layer: Any, output_scale: Any, output_block_scale: Any) -> bool
 def record_fallback(name: str, reason: str) -> None:
     if fallbacks.get(name) != reason:
         fallbacks[name] = reason
-        # a preset of ours that does not ride on the layer's cache dtype is the user's choice gone unserved: a
-        # warning; the other reasons (boundary layers, shapes tqkv does not serve) are expected: info
-        level = logging.WARNING if reason.startswith("tqkv preset") else logging.INFO
+        # the user's choice of a preset gone unserved: a warning; the other reasons (boundary layers, shapes tqkv
+        # does not serve) are expected: info
+        level = logging.WARNING if reason.startswith(UNSERVED_PRESET) else logging.INFO
         logger.log(level, "tqkv: layer %s stays on vLLM's path: %s", name, reason)
         write_report()
 
