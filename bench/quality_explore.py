@@ -145,6 +145,7 @@ def gaussian_codebook(bits: int) -> tuple[torch.Tensor, torch.Tensor]:
     return c.float(), ((c[:-1] + c[1:]) / 2).float()
 
 
+@functools.lru_cache(maxsize=None)
 def gaussian_distortion(bits: int) -> float:
     """E[(x - Q(x))^2] of :func:`gaussian_codebook` for x ~ N(0, 1) (1 at 0 bits)."""
     if bits == 0:

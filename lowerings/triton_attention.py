@@ -6,10 +6,10 @@ stream kernel turns its dots around: >= 8, their N side) over one split of that 
 of ``BLOCK_N`` positions:
 
 - keys: codes unpacked in registers, centroids chosen by a select tree over the code bits, or on the GPU by
-  byte permutes from an fp16 table in registers (no memory gather); scores = dot(q @ H, centroids) * ||k|| / ||c|| (nc), or dot(q, fp8 keys). The query is rotated
-  and scaled by ``scale * log2(e)`` once, in a launch before the kernel (:mod:`triton_query`); for fp8 keys
-  (scaled, not rotated) the stream kernel's programs do it themselves (``_stream_query``, which can also
-  rotate by vLLM's Hadamard: measured slower, so off);
+  byte permutes from an fp16 table in registers (no memory gather); scores = dot(q @ H, centroids) * ||k|| /
+  ||c|| (nc), or dot(q, fp8 keys). The query is rotated and scaled by ``scale * log2(e)`` once, in a launch
+  before the kernel (:mod:`triton_query`); for fp8 keys (scaled, not rotated) the stream kernel's programs do it
+  themselves (``_stream_query``, which can also rotate by vLLM's Hadamard: measured slower, so off);
 - softmax in base 2 (``exp2``), online over the tiles;
 - values: integer codes are exact in fp16, so ``P.V = (P * scale) . codes + (P . zero)`` per column.
 

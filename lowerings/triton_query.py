@@ -40,7 +40,8 @@ def _prepare_query_kernel(q_ptr, rot_ptr, out_ptr, pairs, heads, s_qt, s_qh, s_q
 def prepare_query(query: torch.Tensor, rotation: torch.Tensor | None, scale: float, launch=None) -> torch.Tensor:
     """The decode kernels' query [T, Hq, D] fp32: rotated (``rotation``, [D, D] fp32, None for fp8 keys),
     times ``scale`` (softmax scale x log2 e). The scale is a compile-time constant of the kernel: a float
-    argument would be fp64 where Inductor launches it. Programs of 16 pairs x 64 columns: a decode step of one sequence still spreads over a few SMs."""
+    argument would be fp64 where Inductor launches it. Programs of 16 pairs x 64 columns: a decode step of one
+    sequence still spreads over a few SMs."""
     rows, heads, dim = query.shape
     if rotation is not None and (rotation.dtype != torch.float32 or tuple(rotation.shape) != (dim, dim)):
         raise ValueError(f"rotation: expected float32 [{dim}, {dim}], got {rotation.dtype} {list(rotation.shape)}")

@@ -9,9 +9,10 @@ way ``shared/gpu/baselines/decode_kernels_vllm020.py`` does.
     python -m tqkv_compile.bench_kernels --check      # Triton backend vs the reference on this GPU
 
 Writes a JSON list of records ``{"op", "B", "L", "impl", "preset", "us", "GBps"}`` (kv_write: ``B`` is the
-token count, ``L`` is 0, as issue 4 asks; result files before 2026-12-04 20:40 have it the other way round; ``--prefill BxL``: op ``prefill``, B whole prompts of L tokens, no GBps; its ``vllm_tq`` record, FA2 on the
-raw keys and values, has preset ``raw_kv``: it is the same for every preset) and one
-``{"meta": {...}}`` record.
+token count, ``L`` is 0, as issue 4 asks; result files before 2026-12-04 20:40 have it the other way round;
+``--prefill BxL``: op ``prefill``, B whole prompts of L tokens, no GBps; its ``vllm_tq`` record, FA2 on the
+raw keys and values, has preset ``raw_kv``: it is the same for every preset) and one ``{"meta": {...}}``
+record.
 """
 
 from __future__ import annotations
