@@ -22,6 +22,9 @@
 #   bash bench/h200_session.sh variants          decode kernels (4bit_nc, k8v4; VARIANT_PRESETS / VARIANT_CASES) and
 #                                                kv_write of each .variants/ tree (bench/make_variants.sh), beside
 #                                                FA3 and vLLM's, in one run: $OUT/h200-variants.json, $OUT/variants.log
+#   bash bench/h200_session.sh fragments         gluon_decode's fragment kernel (never run on a GPU before): checked
+#                                                against the reference (4-bit presets, heads 128 / 256), then timed
+#                                                against the stream kernel in one command (FRAG_CASES, FRAG_PRESETS)
 #   bash bench/h200_session.sh install           only the install (above every stage), e.g. before a command's own steps
 #   bash bench/h200_session.sh diagnose          why an eager tqkv run did not finish (h200-vllm020-notes.md)
 #   bash bench/h200_session.sh fa2               vLLM's FA2 first-launch times (driver JIT from sm_80 PTX on
@@ -165,6 +168,19 @@ tune)
     python3 -c "import json, sys
 for r in json.load(open(sys.argv[1]))[1:]: print(r['preset'], f\"{r['B']}x{r['L']}\", r.get('us', r.get('error', '')[:80]), r['variant'])" \
         "$OUT/h200-tune.json" || tail -5 "$OUT/tune.log"
+    ;;
+fragments)
+    step "fragment kernel: check against the reference (TQKV_FRAGMENT_KERNEL=1)"
+    TQKV_FRAGMENT_KERNEL=1 timeout ${FRAG_CHECK_TIMEOUT:-240} python3 -m tqkv_compile.bench_kernels --check \
+        --presets ${FRAG_PRESETS:=turboquant_4bit_nc,tqkv_4bit_pc} --dims 128,256 > "$OUT/check-fragments.log" 2>&1
+    tail -3 "$OUT/check-fragments.log"
+    step "fragment kernel against the stream kernel: $FRAG_PRESETS at ${FRAG_CASES:=64x32768,1x32768,64x4096}"
+    timeout ${FRAG_TIMEOUT:-240} python3 -m tqkv_compile.bench_kernels --tune --presets $FRAG_PRESETS \
+        --cases $FRAG_CASES --out "$OUT/h200-fragments.json" \
+        --variants '[{}, {"kernel": "fragments"}, {}, {"kernel": "fragments"}]' > "$OUT/fragments.log" 2>&1
+    python3 -c "import json, sys
+for r in json.load(open(sys.argv[1]))[1:]: print(r['preset'], f\"{r['B']}x{r['L']}\", r.get('us', r.get('error', '')[:80]), r['variant'])" \
+        "$OUT/h200-fragments.json" || tail -5 "$OUT/fragments.log"
     ;;
 variants)
     # A/B of kernel changes in one run: each .variants/NN-NAME/ (bench/make_variants.sh, carried) is one commit's

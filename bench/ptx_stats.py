@@ -4,6 +4,7 @@ shuffles, selects, mma, global loads). Cheap checks before spending device time.
 
     python bench/ptx_stats.py                       # the stream kernel's defaults for 4bit_nc and k8v4
     python bench/ptx_stats.py --preset turboquant_4bit_nc --block-n 32 --warps 4 --maxnreg 128 --prefetch
+    python bench/ptx_stats.py --kernel fragments --preset tqkv_4bit_pc     # gluon_decode's kernel
 
 Needs Triton's bundled ptxas (any Triton wheel with the NVIDIA backend); the PTX version line is lowered to
 what that ptxas accepts (8.7: triton 3.6's ptxas is CUDA 12.8's).
@@ -72,9 +73,10 @@ OPS = ("st.shared", "ld.shared", "shfl", "mma", "cp.async", "ld.global", "selp",
        "griddepcontrol")
 
 
-def stats(fn, signature: dict, constexprs: dict, num_warps: int, num_stages: int, maxnreg: int | None) -> dict:
+def stats(fn, signature: dict, constexprs: dict, num_warps: int, num_stages: int, maxnreg: int | None,
+          source=ASTSource) -> dict:
     options = dict(num_warps=num_warps, num_stages=num_stages, **({"maxnreg": maxnreg} if maxnreg else {}))
-    kernel = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs),
+    kernel = triton.compile(source(fn=fn, signature=signature, constexprs=constexprs),
                             target=GPUTarget("cuda", 90, 32), options=options)
     ptx = kernel.asm["ptx"]
     with tempfile.TemporaryDirectory() as tmp:
@@ -160,9 +162,30 @@ def stream_kernel(preset_name: str, dim: int, block_n: int, warps: int, maxnreg:
     return stats(fn, signature, constexprs, warps, 1, maxnreg)
 
 
+def fragment_kernel(preset_name: str, dim: int, maxnreg: int | None) -> dict:
+    """gluon_decode's fragment kernel (4-bit keys and values; heads 128 and 256) at the launcher's settings."""
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from tqkv_compile.lowerings import gluon_decode as g
+
+    p = tqkv_compile.get_preset(preset_name, dim)
+    constexprs = dict(GROUP=4, D=dim, BLOCK_SIZE=16, NUM_SPLITS=2, SEARCH_STEPS=7, KEY_FP8=p.key_fp8,
+                      NORM_CORRECTION=p.norm_correction, KEY_CODE_BYTES=p.key_code_bytes, VALUE_OFFSET=p.key_bytes,
+                      VALUE_CODE_BYTES=p.value_code_bytes, **g.layouts(dim))
+    pointers = dict(q_ptr="*fp32", cache_ptr="*u8", block_table_ptr="*i32", seq_lens_ptr="*i32", qsl_ptr="*i32",
+                    lut_ptr="*i32", key_order_ptr="*i32", value_order_ptr="*i32", part_out_ptr="*fp32",
+                    part_lse_ptr="*fp32")
+    fn = g.fragment_kernel
+    signature = {n: "constexpr" if n in constexprs else pointers.get(n, "i32") for n in fn.arg_names}
+    return stats(fn, signature, constexprs, g.NUM_WARPS, 1, maxnreg or g.maxnreg(dim), source=GluonASTSource)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--preset", action="append", help="repeatable; default: 4bit_nc and k8v4 at their defaults")
+    parser.add_argument("--kernel", choices=("stream", "fragments"), default="stream",
+                        help="fragments: gluon_decode's kernel (4-bit presets, heads 128 / 256; the launcher's settings: "
+                             "--block-n, --warps, --prefetch and the query options do not apply)")
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--block-n", type=int, default=64)
     parser.add_argument("--warps", type=int, default=4)
@@ -184,13 +207,17 @@ def main() -> int:
     args = parser.parse_args()
     for name in args.preset or ["turboquant_4bit_nc", "turboquant_k8v4"]:
         maxnreg = args.maxnreg or (128 if args.head_dim <= 128 else 168)
-        result = stream_kernel(name, args.head_dim, args.block_n, args.warps, maxnreg, args.prefetch,
-                               query_in_kernel={"auto": None, "yes": True, "no": False}[args.query_in_kernel],
-                               merge=args.merge, splits=args.splits, pdl=args.pdl, block_h=args.block_h)
+        if args.kernel == "fragments":
+            result = fragment_kernel(name, args.head_dim, args.maxnreg)
+            label = f"{name} D{args.head_dim} fragment kernel triton {triton.__version__}"
+        else:
+            result = stream_kernel(name, args.head_dim, args.block_n, args.warps, maxnreg, args.prefetch,
+                                   query_in_kernel={"auto": None, "yes": True, "no": False}[args.query_in_kernel],
+                                   merge=args.merge, splits=args.splits, pdl=args.pdl, block_h=args.block_h)
+            label = (f"{name} D{args.head_dim} BLOCK_N {args.block_n} warps {args.warps} maxnreg {maxnreg} "
+                     f"prefetch {args.prefetch} triton {triton.__version__}")
         opcodes = result.pop("loop_opcodes")
-        print(f"{name} D{args.head_dim} BLOCK_N {args.block_n} warps {args.warps} maxnreg {maxnreg} "
-              f"prefetch {args.prefetch} triton {triton.__version__}: "
-              + " ".join(f"{k}={v}" for k, v in result.items()), flush=True)
+        print(f"{label}: " + " ".join(f"{k}={v}" for k, v in result.items()), flush=True)
         if args.histogram:
             print("  loop: " + " ".join(f"{op}:{n}" for op, n in opcodes.most_common()), flush=True)
     return 0

@@ -20,7 +20,9 @@ multi-token rows is served: each row attends to positions ``0 .. seq_len - n_new
 
 Two split kernels share that contract: ``_decode_stream_kernel`` (fields read as 16- or 32-bit words,
 vLLM's four layouts, the one every engine cache takes) and ``_decode_split_kernel`` (byte loads: any view,
-the fallback); :func:`default_kernel` picks. (A third, the word kernel, served 3-bit fields from 32-bit words
+the fallback); :func:`default_kernel` picks. A third, :mod:`gluon_decode`'s fragment kernel (4-bit keys and
+values, Gluon: each thread loads its own mma fragments' codes), is opt-in (``TQKV_FRAGMENT_KERNEL=1``) until
+it has run on a GPU. (A third, the word kernel, served 3-bit fields from 32-bit words
 until the stream kernel read them, 2026-12-04; measured in bench/results/h200-kernels-notes.md.)
 """
 
@@ -33,7 +35,7 @@ import triton
 import triton.language as tl
 
 from tqkv_compile.codec import Preset
-from tqkv_compile.lowerings import dependent_launch
+from tqkv_compile.lowerings import dependent_launch, gluon_decode
 from tqkv_compile.lowerings.dependent_launch import wait_and_release
 from tqkv_compile.lowerings.triton_query import prepare_query
 from tqkv_compile.rotation import hadamard
@@ -966,8 +968,18 @@ def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: t
     interpret = query.device.type == "cpu"
     if kernel is None:
         kernel = default_kernel(preset, kv_cache, query.device)
-    if kernel not in ("stream", "bytes"):
-        raise ValueError(f"kernel: expected 'stream' or 'bytes', got {kernel!r}")
+        if (kernel == "stream" and gluon_decode.enabled() and launch is _plain_launch
+                and gluon_decode.supports(preset, kv_cache, group, query.device) is None):
+            kernel = "fragments"  # opt-in until timed on a GPU (TQKV_FRAGMENT_KERNEL=1; not traced by Inductor)
+    if kernel not in ("stream", "bytes", "fragments"):
+        raise ValueError(f"kernel: expected 'stream', 'bytes' or 'fragments', got {kernel!r}")
+    if kernel == "fragments":
+        if (why := gluon_decode.supports(preset, kv_cache, group, query.device)) is not None:
+            raise ValueError(f"kernel='fragments': {why}")
+        if launch is not _plain_launch:
+            raise ValueError("kernel='fragments': a Gluon kernel is not launched from Inductor's code (yet)")
+        block_n, num_warps = gluon_decode.BLOCK_N, gluon_decode.NUM_WARPS
+        maxnreg = gluon_decode.maxnreg(dim)
     max_len = block_table.shape[1] * kv_cache.shape[1]
     if block_n is None:  # the H200 sweeps' best (bench/results/h200-kernels-notes.md)
         block_n = 16 if interpret else (32 if kernel == "bytes" else 64)
@@ -983,7 +995,7 @@ def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: t
     if kernel == "stream" and not interpret:
         maxnreg = maxnreg or (128 if dim <= 128 else 168)
     if splits is None:
-        occupancy = programs_per_sm(maxnreg, num_warps or 4) if kernel == "stream" and maxnreg else None
+        occupancy = programs_per_sm(maxnreg, num_warps or 4) if kernel != "bytes" and maxnreg else None
         splits = num_splits(rows, kv_heads, max_len, query.device, block_n, occupancy)
     part_out = torch.empty(rows, heads, splits, dim, dtype=torch.float32, device=query.device)
     part_lse = torch.empty(rows, heads, splits, dtype=torch.float32, device=query.device)
@@ -1026,6 +1038,10 @@ def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: t
             **pdl,
             **({} if maxnreg is None else {"maxnreg": maxnreg}),
         )
+    elif kernel == "fragments":
+        q = prepare_query(query, None if preset.key_fp8 else rotation, scale * LOG2E)
+        gluon_decode.launch(q, kv_cache, block_table, seq_lens, query_start_loc, part_out, part_lse, preset, group,
+                            splits, common["SEARCH_STEPS"])
     elif kernel == "bytes":
         q = prepare_query(query, None if preset.key_fp8 else rotation, scale * LOG2E, _traced(launch))
         launch(_decode_split_kernel)[(rows, kv_heads, splits)](

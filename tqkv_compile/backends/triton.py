@@ -90,12 +90,16 @@ class TritonBackend:
         if not preset.vllm_layout:
             self.general_tables(preset, device)
             return
+        from tqkv_compile.lowerings import gluon_decode
         from tqkv_compile.lowerings.arrivals import arrival_counts
         from tqkv_compile.lowerings.triton_attention import key_lut, rotation_signs
 
         self.tables(preset, device)
         key_lut(preset, device)
         rotation_signs(preset.head_dim, device)
+        if gluon_decode.enabled() and device.type == "cuda" and preset.head_dim in (128, 256):
+            gluon_decode.key_lut(preset, device)  # the fragment kernel's tables (opt-in, TQKV_FRAGMENT_KERNEL=1)
+            gluon_decode.orders(preset.head_dim, device)
         # kept arrival counts for 1024 row blocks of a write, zeroed now (not inside CUDA-graph capture)
         arrival_counts("kv_write_norm", 1024, device)
 

@@ -1,0 +1,419 @@
+"""The fragment kernel: decode attention for 4-bit Lloyd-Max or fp8 keys and 4-bit uniform values, in Gluon
+(Triton's explicit-layout dialect) so that every thread loads exactly the codes of its own tensor-core fragments.
+
+Why. The stream kernel (:mod:`triton_attention`) is issue-bound, not memory-bound: Triton lays its loaded words
+out for coalescing, unpacks them there, and then moves the dequantized fp16 tiles into the mma operand layout
+through shared memory (stores, barriers, ldmatrix) with register moves on both sides. Here the coordinate order
+is ours to choose (the query is permuted the same way; the output is stored back in natural order), so it is
+chosen such that the codes a thread needs for its mma.sync m16n8k16 fragments are whole 16-bit words of the
+slot: a word's byte-permute lookup yields the fragment's fp16 pairs in place, and the conversion into the
+operand layout is a no-op (``assert_trivial``). Statically (sm_90a, head 128, triton 3.6 as on the H200;
+``python bench/ptx_stats.py --kernel fragments``), SASS a thread per tile of 64 positions against the stream
+kernel's: tqkv_4bit_pc 498 / 1035, turboquant_4bit_nc 581 / 1105, turboquant_k8v4 338 / 800; the memory floor
+allows ~466 for 4bit_nc.
+
+The layouts, one program = one query row's group of <= 8 query heads over one split, 4 warps, 64 positions a
+tile (warp w: positions 16 w .. 16 w + 15 for the keys), head size D = 128 or 256 (KT = D / 16 k-steps):
+
+- keys: A operand [64 positions, D] of scores^T = K . q^T. Lane l (t = l % 4) holds rows l // 4 and l // 4 + 8
+  of its warp and columns c = 16 kk + 8 r2 + 2 t + b. Column c is stored coordinate s = 4 KT t + 4 kk + 2 r2 + b:
+  thread t's KT words of four codes (16-bit for 4-bit codes, 32-bit for fp8) of a row are contiguous, and word
+  kk gives the pairs (r2 = 0, 1), by byte permutes from the table or by the hardware's fp8 conversion.
+- values: A operand [D, 64 positions] of acc^T += V^T . P^T. Lane l of warp w holds dimensions
+  rd = 64 rep + 16 w + 8 r1 + l // 4 and positions 16 kk + 8 r2 + 2 t + b; its codes of one position are
+  J = D / 128 words (word J (8 w + l // 4) + j, nibble i: rep = 2 j + i // 2, r1 = i % 2), and one asm turns the
+  words of positions 2 t and 2 t + 1 into the fragment's pairs (one dimension, two positions).
+- the sums over positions (p, p * zero, p * scale) are kept per position and reduced once after the loop;
+  only the running max crosses lanes and warps in a tile, and P crosses warps once (the value dot's B operand).
+- the key table (8 words) is loaded from one of two copies picked by the lane's parity: ptxas cannot prove it
+  uniform and keeps it in registers (otherwise it re-copied it from uniform registers before every use: 70 of
+  558 SASS a tile).
+
+Status: compiled statically only (no GPU was lent when it was written); ``TQKV_FRAGMENT_KERNEL=1`` (or
+``decode_attention(kernel="fragments")``) selects it where :func:`supports` says it can serve the call, and
+``tqkv bench kernels --check`` is its correctness test on a GPU. Contract: :func:`_decode_stream_kernel`'s
+(partials and their base-2 log-sum-exp for the merge kernel), with the query from :func:`prepare_query`.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+try:  # Gluon is experimental (triton 3.5+); without it the kernel is simply unavailable
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+except ImportError:  # pragma: no cover - older triton
+    gluon = None
+
+from tqkv_compile.codec import Preset
+
+BLOCK_N = 64
+NUM_WARPS = 4
+ENV = "TQKV_FRAGMENT_KERNEL"
+
+
+def enabled() -> bool:
+    """Whether the launcher picks this kernel where it can (``TQKV_FRAGMENT_KERNEL=1``; off by default until it
+    has been checked and timed on a GPU)."""
+    return os.environ.get(ENV, "0") == "1"
+
+
+def maxnreg(dim: int) -> int:
+    """The register cap: 4 programs an SM at head 128 (123 registers, no spills with triton 3.6), 168 at 256."""
+    return 128 if dim <= 128 else 168
+
+
+def supports(preset: Preset, kv_cache: torch.Tensor, group: int, device: torch.device) -> str | None:
+    """None where the kernel can serve the call, else why not (a sentence)."""
+    if gluon is None:
+        return "this triton has no Gluon"
+    if device.type != "cuda":
+        return "the fragment kernel runs on CUDA GPUs only (Gluon has no interpreter)"
+    if torch.cuda.get_device_capability(device) < (8, 0):
+        return "mma.sync m16n8k16 needs compute capability 8.0 or later"
+    if not (preset.key_fp8 or preset.key_bits == 4) or preset.value_bits != 4 or not preset.vllm_layout:
+        return f"{preset.name}: the fragment kernel reads 4-bit or fp8 keys with 4-bit uniform values only"
+    if preset.head_dim not in (128, 256):
+        return f"head size {preset.head_dim}: the fragment kernel serves 128 and 256"
+    if group > 8:
+        return f"a query-head group of {group}: the fragment kernel serves up to 8"
+    if kv_cache.dtype != torch.uint8 or kv_cache.stride(3) != 1 or kv_cache.shape[1] % 16:
+        return "the cache must be uint8 slots with contiguous bytes and blocks of a multiple of 16 positions"
+    offsets = (kv_cache.storage_offset(), *kv_cache.stride()[:3], preset.key_code_bytes, preset.key_bytes,
+               preset.value_code_bytes)
+    if any(o % 2 for o in offsets):
+        return "the cache's fields and strides must be 2-byte aligned"
+    if preset.key_fp8 and any(o % 4 for o in offsets[:4]):
+        return "fp8 keys are read as 32-bit words: the cache's slots must be 4-byte aligned"
+    from tqkv_compile.lowerings.triton_attention import _halves_span
+
+    if _halves_span(kv_cache) >= 2**31:
+        return "the cache view spans 2^31 half-words or more: the fragment kernel indexes in int32"
+    return None
+
+
+def _bits(n: int) -> list[int]:
+    return [1 << i for i in range(n.bit_length() - 1)]
+
+
+@functools.lru_cache(maxsize=None)
+def layouts(dim: int) -> dict:
+    """The kernel's constexpr layouts for head size ``dim`` (see the module doc for what each element is)."""
+    kt, words_v = dim // 16, dim // 128  # key words a thread holds of a row; value words of a position
+    mma = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NUM_WARPS, 1], instr_shape=[16, 8])
+    # key words [64, D / 4]: word m = KT t + kk; registers kk then r1, lanes t then l // 4, warps: rows 16, 32
+    key_words = gl.DistributedLinearLayout(
+        reg_bases=[[0, k] for k in _bits(kt)] + [[8, 0]],
+        lane_bases=[[0, kt], [0, 2 * kt], [1, 0], [2, 0], [4, 0]],
+        warp_bases=[[16, 0], [32, 0]], block_bases=[], shape=[BLOCK_N, dim // 4])
+    # value words [64, D / 4]: word J (8 w + l // 4) + j; registers b (first: the asm pairs positions 2 t, 2 t + 1),
+    # r2, kk, then j; lanes t then l // 4; warps w
+    value_words = gl.DistributedLinearLayout(
+        reg_bases=[[1, 0], [8, 0], [16, 0], [32, 0]] + [[0, j] for j in _bits(words_v)],
+        lane_bases=[[2, 0], [4, 0], [0, words_v], [0, 2 * words_v], [0, 4 * words_v]],
+        warp_bases=[[0, 8 * words_v], [0, 16 * words_v]], block_bases=[], shape=[BLOCK_N, dim // 4])
+    # slot offsets [4 groups of 16 positions, 16] laid out as the key rows (the group is the warp) and as the
+    # value positions (every warp every group): one block id a group of 16, not one a position
+    key_slots = gl.DistributedLinearLayout(
+        reg_bases=[[0, 8]], lane_bases=[[0, 0], [0, 0], [0, 1], [0, 2], [0, 4]],
+        warp_bases=[[1, 0], [2, 0]], block_bases=[], shape=[4, 16])
+    value_slots = gl.DistributedLinearLayout(
+        reg_bases=[[0, 1], [0, 8], [1, 0], [2, 0]], lane_bases=[[0, 2], [0, 4], [0, 0], [0, 0], [0, 0]],
+        warp_bases=[[0, 0], [0, 0]], block_bases=[], shape=[4, 16])
+    return dict(MMA=mma, A_OP=gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2),
+                B_OP=gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2),
+                KEY_WORDS=key_words, VALUE_WORDS=value_words, KEY_SLOTS=key_slots, VALUE_SLOTS=value_slots)
+
+
+def key_order(dim: int) -> torch.Tensor:
+    """int32 [D]: the stored key coordinate of the kernel's column c, by the kernel's own chain run on coordinate
+    indices: word m of a row holds coordinates 4 m .. 4 m + 3, the lookup gives the pairs (4 m, 4 m + 1) and
+    (4 m + 2, 4 m + 3), then join / permute / reshape as in :func:`fragment_kernel`."""
+    kt = dim // 16
+    m = torch.arange(dim // 4)
+    low = torch.stack([4 * m, 4 * m + 1], -1)  # [m, b]
+    high = torch.stack([4 * m + 2, 4 * m + 3], -1)
+    x = torch.stack([low, high], -1).permute(0, 2, 1)  # [m, r2, b]
+    x = x.reshape(4, kt, 2, 2).permute(1, 2, 0, 3)  # [kk, r2, t, b]
+    return x.reshape(dim).to(torch.int32)
+
+
+def value_order(dim: int) -> torch.Tensor:
+    """int32 [D]: the stored value coordinate of the kernel's accumulator row rd, by the kernel's chain run on
+    coordinate indices (word g of a position holds coordinates 4 g .. 4 g + 3, output i of the unpacking is
+    nibble i). Odd coordinates sit in a byte's high nibble: the kernel's codes there are 16 x code."""
+    vj = dim // 128
+    word = torch.arange(dim // 4)
+    v = [4 * word + i for i in range(4)]
+    y = torch.stack([torch.stack([v[0], v[1]], -1), torch.stack([v[2], v[3]], -1)], -1)  # [word, i % 2, i // 2]
+    y = y.reshape(4, 8, vj, 2, 2).permute(2, 4, 0, 3, 1)  # [j, i // 2, w, r1, l // 4]
+    return y.reshape(dim).to(torch.int32)
+
+
+_ORDERS: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def orders(dim: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(:func:`key_order`, :func:`value_order`) on ``device``, built once (before CUDA-graph capture: warm)."""
+    key = (dim, str(device))
+    if key not in _ORDERS:
+        _ORDERS[key] = (key_order(dim).to(device), value_order(dim).to(device))
+    return _ORDERS[key]
+
+
+_LUTS: dict[tuple[str, int, str], torch.Tensor] = {}
+
+
+def key_lut(preset: Preset, device: torch.device) -> torch.Tensor:
+    """The stream kernel's key table (:func:`triton_attention.key_lut`, 8 int32) twice, built once per preset
+    and device: the kernel loads the copy its lane's parity names."""
+    from tqkv_compile.lowerings.triton_attention import key_lut as stream_lut
+
+    key = (preset.name, preset.head_dim, str(device))
+    if key not in _LUTS:
+        lut = stream_lut(preset, device)
+        _LUTS[key] = torch.cat([lut, lut]).contiguous()
+    return _LUTS[key]
+
+
+if gluon is not None:
+    @gluon.jit
+    def _lut4_pairs(words, t0, t1, t2, t3, t4, t5, t6, t7):
+        """int32 words (low 16 bits: four 4-bit codes) -> the fp16 pairs (codes 0, 1) and (codes 2, 3): the
+        stream kernel's byte-permute lookup (:func:`triton_attention._lut4_fp16`), each pair in one register."""
+        return gl.inline_asm_elementwise(
+            """{
+            .reg .b32 f, s, m, ll, lu, hl, hu, lo, hi;
+            and.b32 f, $2, 0x7777;
+            prmt.b32 ll, $4, $6, f;
+            prmt.b32 lu, $8, $10, f;
+            prmt.b32 hl, $12, $14, f;
+            prmt.b32 hu, $16, $18, f;
+            shl.b32 s, $2, 4;
+            prmt.b32 m, $2, s, 0x9D8C;
+            lop3.b32 lo, ll, lu, m, 0xD8;
+            lop3.b32 hi, hl, hu, m, 0xD8;
+            prmt.b32 $0, lo, hi, 0x5140;
+            prmt.b32 $1, lo, hi, 0x7362;
+            }""",
+            "=r,=r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r",
+            [gl.join(words, words), t0, t1, t2, t3, t4, t5, t6, t7],  # pack=2: the asm reads the first copy
+            dtype=(gl.float16, gl.float16), is_pure=True, pack=2)
+
+    @gluon.jit
+    def _fp8_pairs(words):
+        """int32 words of four fp8 e4m3 codes -> the fp16 pairs (codes 0, 1) and (codes 2, 3), by the hardware's
+        two-at-a-time conversion (the stream kernel's :func:`triton_attention._fp8x4_fp16`, each pair in one
+        register)."""
+        return gl.inline_asm_elementwise(
+            """{
+            .reg .b16 l, h;
+            mov.b32 {l, h}, $2;
+            cvt.rn.f16x2.e4m3x2 $0, l;
+            cvt.rn.f16x2.e4m3x2 $1, h;
+            }""",
+            "=r,=r,r,r", [gl.join(words, words)], dtype=(gl.float16, gl.float16), is_pure=True, pack=2)
+
+    @gluon.jit
+    def _value_pairs(words):
+        """int32 words (low 16 bits: four 4-bit codes) of two consecutive positions (pack=2: $4, $5) -> four
+        fp16 pair tensors, nibble i of both words: 1024 + code (i even) or 1024 + 16 code (i odd), exact. Two
+        byte permutes put a byte of each word in the low byte of an fp16 half; lop3 keeps one nibble and ors
+        the exponent of 1024."""
+        return gl.inline_asm_elementwise(
+            """{
+            .reg .b32 x, y;
+            prmt.b32 x, $4, $5, 0x0400;
+            prmt.b32 y, $4, $5, 0x0501;
+            lop3.b32 $0, x, 0x000F000F, 0x64006400, 0xEA;
+            lop3.b32 $1, x, 0x00F000F0, 0x64006400, 0xEA;
+            lop3.b32 $2, y, 0x000F000F, 0x64006400, 0xEA;
+            lop3.b32 $3, y, 0x00F000F0, 0x64006400, 0xEA;
+            }""",
+            "=r,=r,=r,=r,r,r",
+            [words],
+            dtype=(gl.float16, gl.float16, gl.float16, gl.float16), is_pure=True, pack=2)
+
+    @gluon.jit
+    def _lane_parity():
+        return gl.inline_asm_elementwise(
+            """{
+            mov.u32 $0, %laneid;
+            and.b32 $0, $0, 1;
+            }""", "=r,r", [gl.program_id(0)], dtype=gl.int32, is_pure=True, pack=1)
+
+    @gluon.jit
+    def _slots(bt_row, s_bm, start, end, groups, within, h_blk, h_pos, BLOCK_SIZE: gl.constexpr):
+        """Slot offsets (2-byte units, before the kv head's) [4, 16] of the tile at ``start``: one block-id
+        load a group of 16 positions (0 past ``end``: block 0's slots, read and dropped)."""
+        first = start + 16 * groups
+        block = gl.load(bt_row + (first // BLOCK_SIZE) * s_bm, mask=first < end, other=0)
+        return block[:, None] * h_blk + ((first % BLOCK_SIZE)[:, None] + within[None, :]) * h_pos
+
+    @gluon.jit
+    def fragment_kernel(q_ptr, cache_ptr, block_table_ptr, seq_lens_ptr, qsl_ptr, lut_ptr, key_order_ptr,
+                        value_order_ptr, part_out_ptr, part_lse_ptr, num_seqs, max_len, s_qt, s_qh, s_bt, s_bm, h_blk, h_pos, h_head,
+                        GROUP: gl.constexpr, D: gl.constexpr, BLOCK_SIZE: gl.constexpr,
+                        NUM_SPLITS: gl.constexpr, SEARCH_STEPS: gl.constexpr, KEY_FP8: gl.constexpr,
+                        NORM_CORRECTION: gl.constexpr,
+                        KEY_CODE_BYTES: gl.constexpr, VALUE_OFFSET: gl.constexpr, VALUE_CODE_BYTES: gl.constexpr,
+                        MMA: gl.constexpr, A_OP: gl.constexpr, B_OP: gl.constexpr, KEY_WORDS: gl.constexpr,
+                        VALUE_WORDS: gl.constexpr, KEY_SLOTS: gl.constexpr, VALUE_SLOTS: gl.constexpr):
+        BLOCK: gl.constexpr = 64
+        KT: gl.constexpr = D // 16
+        VJ: gl.constexpr = D // 128
+        # (the key and value coordinate orders come as tables: key_order / value_order run this chain on indices)
+        ROWS: gl.constexpr = gl.SliceLayout(1, MMA)
+        COLS: gl.constexpr = gl.SliceLayout(0, MMA)
+        row = gl.program_id(0)
+        kv_head = gl.program_id(1)
+        split = gl.program_id(2)
+        hptr = cache_ptr.to(gl.pointer_type(gl.uint16), bitcast=True)
+        wptr = cache_ptr.to(gl.pointer_type(gl.int32), bitcast=True)
+        fptr = cache_ptr.to(gl.pointer_type(gl.float16), bitcast=True)
+
+        # the row's sequence and causal length (triton_attention._row_context)
+        in_batch = row < num_seqs
+        start_q = gl.load(qsl_ptr + row, mask=in_batch, other=0)
+        stop_q = gl.load(qsl_ptr + row + 1, mask=in_batch, other=0)
+        seq = row
+        if not ((start_q <= row) & (row < stop_q)):  # not one token per sequence: bisect query_start_loc
+            lo = row * 0
+            hi = lo + num_seqs
+            for _ in range(SEARCH_STEPS):
+                mid = (lo + hi) // 2
+                go = gl.load(qsl_ptr + 1 + mid, mask=mid < num_seqs, other=0) <= row
+                active = lo < hi
+                lo = gl.where(active & go, mid + 1, lo)
+                hi = gl.where(active & (go == 0), mid, hi)
+            seq = gl.minimum(lo, num_seqs - 1)
+            start_q = gl.load(qsl_ptr + seq)
+            stop_q = gl.load(qsl_ptr + seq + 1)
+        length = gl.load(seq_lens_ptr + seq) - (stop_q - start_q) + (row - start_q) + 1
+        length = gl.where((start_q <= row) & (row < stop_q), length, 0)
+        length = gl.minimum(length, max_len)
+        per_split = gl.cdiv(gl.cdiv(length, NUM_SPLITS), BLOCK) * BLOCK
+        begin = split * per_split
+        end = gl.minimum(begin + per_split, length)
+        h = gl.arange(0, 8, layout=COLS)
+        part = (row * (GROUP * gl.num_programs(1)) + kv_head * GROUP + h) * NUM_SPLITS + split
+        head_ok = h < GROUP
+        if begin >= end:
+            gl.store(part_lse_ptr + part, gl.full([8], float("-inf"), gl.float32, layout=COLS), mask=head_ok)
+            return
+
+        # the query^T [D, 8], the B operand, its rows in the keys' stored order
+        s = gl.load(key_order_ptr + gl.arange(0, D, layout=gl.SliceLayout(1, B_OP)))
+        hq = gl.arange(0, 8, layout=gl.SliceLayout(0, B_OP))
+        q = gl.load(q_ptr + row * s_qt + (kv_head * GROUP + hq)[None, :] * s_qh + s[:, None],
+                    mask=(hq < GROUP)[None, :], other=0.0).to(gl.float16)
+        if NORM_CORRECTION:
+            ones = gl.full([D, 8], 1.0, gl.float16, layout=B_OP)
+        if not KEY_FP8:
+            copy = 8 * _lane_parity()  # the table twice: which copy depends on the lane (module doc)
+            t0 = gl.load(lut_ptr + copy + 0)
+            t1 = gl.load(lut_ptr + copy + 1)
+            t2 = gl.load(lut_ptr + copy + 2)
+            t3 = gl.load(lut_ptr + copy + 3)
+            t4 = gl.load(lut_ptr + copy + 4)
+            t5 = gl.load(lut_ptr + copy + 5)
+            t6 = gl.load(lut_ptr + copy + 6)
+            t7 = gl.load(lut_ptr + copy + 7)
+
+        m_i = gl.full([8], float("-inf"), gl.float32, layout=COLS)
+        l_acc = gl.full([BLOCK, 8], 0.0, gl.float32, layout=MMA)  # sums over positions, kept per position
+        z_acc = gl.full([BLOCK, 8], 0.0, gl.float32, layout=MMA)
+        ps_acc = gl.full([BLOCK, 8], 0.0, gl.float32, layout=MMA)
+        acc = gl.full([D, 8], 0.0, gl.float32, layout=MMA)  # transposed: [dimension, query head]
+        bt_row = block_table_ptr + seq.to(gl.int64) * s_bt
+        head_base = kv_head * h_head
+        kg = gl.arange(0, 4, layout=gl.SliceLayout(1, KEY_SLOTS))
+        kp = gl.arange(0, 16, layout=gl.SliceLayout(0, KEY_SLOTS))
+        vgr = gl.arange(0, 4, layout=gl.SliceLayout(1, VALUE_SLOTS))
+        vp = gl.arange(0, 16, layout=gl.SliceLayout(0, VALUE_SLOTS))
+        km = gl.arange(0, D // 4, layout=gl.SliceLayout(0, KEY_WORDS))
+        vm = gl.arange(0, D // 4, layout=gl.SliceLayout(0, VALUE_WORDS))
+        sn = gl.arange(0, BLOCK, layout=ROWS)
+        for start in range(begin, end, BLOCK):
+            kslot = gl.reshape(_slots(bt_row, s_bm, start, end, kg, kp, h_blk, h_pos, BLOCK_SIZE), [BLOCK]) + head_base
+            kslot = gl.convert_layout(kslot, gl.SliceLayout(1, KEY_WORDS), assert_trivial=True)
+            # not masked: past the end a position reads a slot of block 0, inside the cache, and is dropped
+            if KEY_FP8:  # 32-bit words of four codes (4-byte aligned slots: supports())
+                kw = gl.load(wptr + (kslot >> 1)[:, None] + km[None, :])
+            else:  # 16-bit words of four codes
+                kw = gl.load(hptr + kslot[:, None] + km[None, :]).to(gl.int32)
+            vslot = gl.reshape(_slots(bt_row, s_bm, start, end, vgr, vp, h_blk, h_pos, BLOCK_SIZE), [BLOCK]) + head_base
+            vslot = gl.convert_layout(vslot, gl.SliceLayout(1, VALUE_WORDS), assert_trivial=True)
+            vw = gl.load(hptr + vslot[:, None] + (VALUE_OFFSET // 2 + vm)[None, :]).to(gl.int32)
+            valid = start + sn < end
+            sslot = gl.convert_layout(kslot, ROWS, assert_trivial=True)  # the score rows are the key rows
+            if not KEY_FP8:
+                knorm = gl.load(fptr + sslot + KEY_CODE_BYTES // 2, mask=valid, other=0.0).to(gl.float32)
+            vscale = gl.load(fptr + sslot + (VALUE_OFFSET + VALUE_CODE_BYTES) // 2, mask=valid,
+                             other=0.0).to(gl.float32)
+            vzero = gl.load(fptr + sslot + (VALUE_OFFSET + VALUE_CODE_BYTES + 2) // 2, mask=valid,
+                            other=0.0).to(gl.float32)
+
+            # ---- keys: scores^T [64, 8] = K . q^T
+            if KEY_FP8:
+                low, high = _fp8_pairs(kw)
+            else:
+                low, high = _lut4_pairs(kw, t0, t1, t2, t3, t4, t5, t6, t7)
+            x = gl.permute(gl.join(low, high), (0, 1, 3, 2))  # [64, m, r2, b]
+            x = gl.permute(gl.reshape(x, [BLOCK, 4, KT, 2, 2]), (0, 2, 3, 1, 4))  # [64, kk, r2, t, b]
+            keys = gl.convert_layout(gl.reshape(x, [BLOCK, D]), A_OP, assert_trivial=True)
+            scores = mma_v2(keys, q, gl.full([BLOCK, 8], 0.0, gl.float32, layout=MMA))
+            if NORM_CORRECTION:  # ||c||^2 on the tensor cores, in the scores' layout
+                sumsq = mma_v2(keys * keys, ones, gl.full([BLOCK, 8], 0.0, gl.float32, layout=MMA))
+                scores = scores * (knorm[:, None] / gl.sqrt(sumsq + 1e-16))
+            elif not KEY_FP8:  # (fp8 keys are the keys themselves, times the query's scale)
+                scores = scores * knorm[:, None]
+            scores = gl.where(valid[:, None], scores, float("-inf"))
+            m_new = gl.maximum(m_i, gl.max(scores, axis=0))
+            alpha = gl.exp2(m_i - m_new)
+            p = gl.exp2(scores - m_new[None, :])
+            m_i = m_new
+            ps = (p * vscale[:, None]).to(gl.float16)
+            l_acc = l_acc * alpha[None, :] + p
+            z_acc = z_acc * alpha[None, :] + p * vzero[:, None]
+            ps_acc = ps_acc * alpha[None, :] + ps.to(gl.float32)
+
+            # ---- values: acc^T [D, 8] += V^T . (P * scale)^T, codes as fp16 1024 + f code
+            v0, v1, v2, v3 = _value_pairs(vw)
+            y = gl.join(gl.join(v0, v1), gl.join(v2, v3))  # [64, word, r1, i // 2]
+            y = gl.reshape(y, [BLOCK, 4, 8, VJ, 2, 2])  # [pos, w, l // 4, j, r1, i // 2]
+            y = gl.reshape(gl.permute(y, (3, 5, 1, 4, 2, 0)), [D, BLOCK])  # [j, i // 2, w, r1, l // 4, pos]
+            values = gl.convert_layout(y, A_OP, assert_trivial=True)
+            acc = mma_v2(values, gl.convert_layout(ps, B_OP), acc * alpha[None, :])
+
+        l_i = gl.sum(l_acc, axis=0)
+        inv = 1.0 / l_i
+        zsum = gl.sum(z_acc, axis=0)
+        psum = gl.sum(ps_acc, axis=0)
+        sv = gl.load(value_order_ptr + gl.arange(0, D, layout=ROWS))
+        f = gl.where((sv & 1) == 1, 1.0 / 16.0, 1.0)  # high nibbles came out as 16 x code
+        out = (acc - 1024.0 * psum[None, :]) * (f[:, None] * inv[None, :]) + (zsum * inv)[None, :]
+        gl.store(part_out_ptr + part[None, :] * D + sv[:, None], out, mask=head_ok[None, :])
+        gl.store(part_lse_ptr + part, m_i + gl.log2(l_i), mask=head_ok)
+
+
+def launch(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
+           query_start_loc: torch.Tensor, part_out: torch.Tensor, part_lse: torch.Tensor, preset: Preset,
+           group: int, splits: int, search_steps: int) -> None:
+    """Fill ``part_out`` / ``part_lse`` (the stream kernel's partials) from ``q`` (prepare_query's query, fp32
+    [T, Hq, D], its last stride 1)."""
+    rows, kv_heads = q.shape[0], kv_cache.shape[2]
+    max_len = block_table.shape[1] * kv_cache.shape[1]
+    fragment_kernel[(rows, kv_heads, splits)](
+        q, kv_cache, block_table, seq_lens, query_start_loc, key_lut(preset, q.device),
+        *orders(preset.head_dim, q.device), part_out, part_lse,
+        seq_lens.shape[0], max_len, q.stride(0), q.stride(1), *block_table.stride(),
+        *(st // 2 for st in kv_cache.stride()[:3]),
+        GROUP=group, D=preset.head_dim, BLOCK_SIZE=kv_cache.shape[1], NUM_SPLITS=splits, SEARCH_STEPS=search_steps,
+        KEY_FP8=preset.key_fp8, NORM_CORRECTION=preset.norm_correction, KEY_CODE_BYTES=preset.key_code_bytes, VALUE_OFFSET=preset.key_bytes,
+        VALUE_CODE_BYTES=preset.value_code_bytes, **layouts(preset.head_dim),
+        num_warps=NUM_WARPS, maxnreg=maxnreg(preset.head_dim))

@@ -1,0 +1,190 @@
+"""The fragment kernel (lowerings/gluon_decode.py) on a machine without a GPU: Gluon has no interpreter, so what
+can be checked here is checked here: its inline PTX on every input (emulated), its coordinate orders, that it
+compiles for Hopper with every conversion into an mma operand a no-op (``assert_trivial``) and no tile through
+shared memory, and that the launcher picks it only where it may. Its numbers are checked on a GPU by ``tqkv bench
+kernels --check`` with ``TQKV_FRAGMENT_KERNEL=1``."""
+
+from __future__ import annotations
+
+import inspect
+import re
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("triton.experimental.gluon")
+
+from test_asm_emulation import _lop3, _prmt  # noqa: E402
+
+import tqkv_compile  # noqa: E402
+from tqkv_compile.lowerings import gluon_decode, triton_attention  # noqa: E402
+
+
+def _emulate(fn, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Run the inline PTX of a Gluon function (and, shl, prmt, lop3) on uint32 arrays given by operand name;
+    every register it writes, operands included."""
+    text = re.search(r'"""\{(.*?)\}"""', inspect.getsource(fn.fn), re.S).group(1)
+    regs = {k: v.astype(np.uint32) for k, v in inputs.items()}
+    shape = next(iter(regs.values())).shape
+
+    def val(tok: str) -> np.ndarray:
+        return regs[tok] if tok in regs else np.full(shape, int(tok, 0) & 0xFFFFFFFF, dtype=np.uint32)
+
+    for line in text.split(";"):
+        line = line.strip()
+        if not line or line.startswith(".reg"):
+            continue
+        op, args = line.split(None, 1)
+        dst, *src = (t.strip() for t in args.split(","))
+        if op == "and.b32":
+            regs[dst] = val(src[0]) & val(src[1])
+        elif op == "shl.b32":
+            regs[dst] = (val(src[0]) << int(src[1], 0)) & 0xFFFFFFFF
+        elif op == "prmt.b32":
+            regs[dst] = _prmt(val(src[0]), val(src[1]), val(src[2]))
+        elif op == "lop3.b32":
+            regs[dst] = _lop3(val(src[0]), val(src[1]), val(src[2]), int(src[3], 0))
+        else:
+            raise AssertionError(f"no emulation for {op}")
+    return regs
+
+
+def _halves(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """A 32-bit register holding an fp16 pair (pack=2: element 0 low) -> (element 0, element 1) as fp16."""
+    return (x & 0xFFFF).astype(np.uint16).view(np.float16), (x >> 16).astype(np.uint16).view(np.float16)
+
+
+def test_key_lookup_gives_each_words_fp16_pairs_in_place():
+    """_lut4_pairs: a word's four codes -> (table[c0], table[c1]) in $0 and (table[c2], table[c3]) in $1, for
+    every 16-bit word, with garbage in the word's high half (the loads are zero-extended, but nothing may
+    depend on it). Operands as pack=2 numbers them: $2 / $3 the word's two copies, $4 / $5 table word 0, ..."""
+    preset = tqkv_compile.get_preset("turboquant_4bit_nc", 128)
+    table_words = triton_attention.key_lut(preset, torch.device("cpu")).tolist()
+    words = np.arange(1 << 16, dtype=np.uint32) | (np.uint32(0xA5C3) << 16)
+    inputs = {"$2": words, "$3": words}
+    inputs.update({f"${4 + 2 * i}": np.full_like(words, t & 0xFFFFFFFF) for i, t in enumerate(table_words)})
+    regs = _emulate(gluon_decode._lut4_pairs, inputs)
+    table = preset.centroids("cpu").to(torch.float16).numpy()
+    codes = [(words >> (4 * k)) & 0xF for k in range(4)]
+    for out, (a, b) in (("$0", (0, 1)), ("$1", (2, 3))):
+        lo, hi = _halves(regs[out])
+        np.testing.assert_array_equal(lo, table[codes[a]])
+        np.testing.assert_array_equal(hi, table[codes[b]])
+
+
+def test_value_unpacking_pairs_two_positions_codes_as_1024_plus_f_code():
+    """_value_pairs: the words of positions p ($4) and p + 1 ($5) -> output i holds nibble i of both (p low),
+    as fp16 1024 + code (i even) or 1024 + 16 code (i odd), exact; over 2^16 words each side, shuffled."""
+    rng = np.random.default_rng(0)
+    first = np.arange(1 << 16, dtype=np.uint32)
+    second = rng.permutation(first)
+    regs = _emulate(gluon_decode._value_pairs, {"$4": first | (np.uint32(0x5A5A) << 16), "$5": second})
+    for i in range(4):
+        f = 16 if i % 2 else 1
+        lo, hi = _halves(regs[f"${i}"])
+        np.testing.assert_array_equal(lo.astype(np.float64), 1024 + f * ((first >> (4 * i)) & 0xF))
+        np.testing.assert_array_equal(hi.astype(np.float64), 1024 + f * ((second >> (4 * i)) & 0xF))
+
+
+@pytest.mark.parametrize("dim", [128, 256])
+def test_coordinate_orders_are_permutations_with_the_fragments_structure(dim):
+    """key_order / value_order (the kernel's join / permute / reshape chain run on indices) are permutations of
+    the coordinates, and they put each thread's codes where its mma fragments are: key column c = 16 kk + 8 r2
+    + 2 t + b is coordinate 4 KT t + 4 kk + 2 r2 + b (thread t's codes of a row are one run of KT words), and
+    value row rd = 64 rep + 16 w + 8 r1 + g is nibble r1 + 2 (rep % 2) of word J (8 w + g) + rep // 2."""
+    keys, values = gluon_decode.key_order(dim).long(), gluon_decode.value_order(dim).long()
+    assert sorted(keys.tolist()) == list(range(dim)) and sorted(values.tolist()) == list(range(dim))
+    c, kt = torch.arange(dim), dim // 16
+    assert torch.equal(keys, 4 * kt * ((c >> 1) & 3) + 4 * (c >> 4) + 2 * ((c >> 3) & 1) + (c & 1))
+    rd, vj = torch.arange(dim), dim // 128
+    rep, w, r1, g = rd >> 6, (rd >> 4) & 3, (rd >> 3) & 1, rd & 7
+    assert torch.equal(values, 4 * (vj * (8 * w + g) + (rep >> 1)) + r1 + 2 * (rep & 1))
+    # thread t of a quad reads a contiguous run of words: its columns' coordinates span 4 KT consecutive ones
+    for t in range(4):
+        cols = [cc for cc in range(dim) if (cc >> 1) & 3 == t]
+        assert sorted(keys[cols].tolist()) == list(range(4 * kt * t, 4 * kt * (t + 1)))
+
+
+_COMPILE = """
+import json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon._runtime import GluonASTSource
+import tqkv_compile
+from tqkv_compile.lowerings import gluon_decode
+
+results = []
+for name, dim in json.loads(sys.argv[1]):
+    p = tqkv_compile.get_preset(name, dim)
+    constexprs = dict(GROUP=4, D=dim, BLOCK_SIZE=16, NUM_SPLITS=2, SEARCH_STEPS=7, KEY_FP8=p.key_fp8,
+                      NORM_CORRECTION=p.norm_correction,
+                      KEY_CODE_BYTES=p.key_code_bytes, VALUE_OFFSET=p.key_bytes, VALUE_CODE_BYTES=p.value_code_bytes,
+                      **gluon_decode.layouts(dim))
+    fn = gluon_decode.fragment_kernel
+    pointers = {n: "*i32" for n in fn.arg_names if n.endswith("_ptr")}
+    pointers.update(q_ptr="*fp32", cache_ptr="*u8", part_out_ptr="*fp32", part_lse_ptr="*fp32")
+    signature = {n: "constexpr" if n in constexprs else pointers.get(n, "i32") for n in fn.arg_names}
+    kernel = triton.compile(GluonASTSource(fn=fn, signature=signature, constexprs=constexprs),
+                            target=GPUTarget("cuda", 90, 32),
+                            options=dict(num_warps=gluon_decode.NUM_WARPS, maxnreg=gluon_decode.maxnreg(dim)))
+    results.append(dict(name=name, dim=dim, norm_correction=p.norm_correction, shared=kernel.metadata.shared,
+                        mma=kernel.asm["ptx"].count("mma.sync.aligned.m16n8k16")))
+print("RESULTS " + json.dumps(results))
+"""
+
+
+def test_fragment_kernel_compiles_for_hopper_with_no_tile_through_shared_memory():
+    """Compiled for sm_90a (no GPU needed; in a process of its own, without the suite's TRITON_INTERPRET): every
+    convert_layout into an mma operand is asserted trivial in the kernel, so compiling is the check that the
+    loaded codes are the fragments; the shared memory left is P's exchange between warps and the max's reduction
+    (1 KB; the stream kernel's tiles take 19 KB)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    cases = [["tqkv_4bit_pc", 128], ["turboquant_4bit_nc", 128], ["turboquant_4bit_nc", 256], ["turboquant_k8v4", 128]]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", _COMPILE, json.dumps(cases)], capture_output=True, text=True,
+                          env=env, timeout=600)
+    line = next((ln for ln in done.stdout.splitlines() if ln.startswith("RESULTS ")), None)
+    assert line is not None, done.stderr[-3000:]
+    results = json.loads(line[len("RESULTS "):])
+    assert [[r["name"], r["dim"]] for r in results] == cases
+    for r in results:
+        assert r["shared"] <= 2048, r
+        # one mma.sync a k-step of each warp's 16 key rows (twice with the norm's sum of squares), and for the
+        # values D / 64 row tiles of 4 k-steps: nothing else goes through the tensor cores
+        kt = r["dim"] // 16
+        assert r["mma"] == kt * (2 if r["norm_correction"] else 1) + 4 * r["dim"] // 64, r
+
+
+def test_the_launcher_takes_it_only_where_it_can_and_only_when_asked(monkeypatch):
+    """Without a GPU the fragment kernel is never picked (a reason is given); asked for by name it is refused
+    with that reason; presets it does not read are refused by name."""
+    p = tqkv_compile.get_preset("turboquant_4bit_nc", 128)
+    cache = torch.zeros(4, 16, 2, p.slot_bytes, dtype=torch.uint8)
+    assert "CUDA" in gluon_decode.supports(p, cache, 4, torch.device("cpu"))
+    monkeypatch.setenv(gluon_decode.ENV, "1")
+    assert gluon_decode.enabled()
+    k3 = tqkv_compile.get_preset("turboquant_k3v4_nc", 128)
+    meta = type("Cuda", (), {"type": "cuda"})()
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    assert "4-bit or fp8" in gluon_decode.supports(k3, torch.zeros(4, 16, 2, k3.slot_bytes, dtype=torch.uint8), 4,
+                                                   meta)
+    k8 = tqkv_compile.get_preset("turboquant_k8v4", 128)
+    assert gluon_decode.supports(k8, torch.zeros(4, 16, 2, k8.slot_bytes, dtype=torch.uint8), 4, meta) is None
+    misaligned = torch.zeros(4, 16, 2, k8.slot_bytes + 2, dtype=torch.uint8)[..., : k8.slot_bytes]
+    assert "4-byte" in gluon_decode.supports(k8, misaligned, 4, meta)
+    assert "head size 64" in gluon_decode.supports(tqkv_compile.get_preset("turboquant_4bit_nc", 64), cache, 4, meta)
+    assert "group of 16" in gluon_decode.supports(p, cache, 16, meta)
+    assert "multiple of 16" in gluon_decode.supports(p, torch.zeros(4, 8, 2, p.slot_bytes, dtype=torch.uint8), 4, meta)
+    assert gluon_decode.supports(p, cache, 4, meta) is None
+    huge = torch.empty(300_000, 16, 8, p.slot_bytes, dtype=torch.uint8, device="meta")  # 4.8 GB: past int32
+    assert "2^31" in gluon_decode.supports(p, huge, 4, meta)
+    q = torch.zeros(1, 8, 128)
+    with pytest.raises(ValueError, match="fragments.*CUDA"):
+        triton_attention.decode_attention(q, cache, torch.zeros(1, 4, dtype=torch.int32),
+                                          torch.ones(1, dtype=torch.int32), torch.tensor([0, 1], dtype=torch.int32),
+                                          0.1, p, torch.eye(128), torch.zeros(16), kernel="fragments")
