@@ -335,10 +335,13 @@ def _load_field_h(eptr, base_h, offset: tl.constexpr, nbytes: tl.constexpr, WORD
     # lookups are finite, fp8 keys' NaN included: the score is replaced)
     if THIRDS:
         tl.static_assert(WORD == 2, "3-bit fields are read as 16-bit words")
+        # each load built as [groups, N] and transposed: its lanes then run along the groups first, and the
+        # fp16 tile unpacked from it reaches shared memory in 16-byte stores instead of 2-byte ones (triton
+        # 3.6, sm_90a: 3bit_nc's 128 STS.U16 a tile -> 16 STS.128, tile loop 1076 -> 928 SASS)
         g = tl.arange(0, nbytes // 6) * 3
-        w0 = tl.load(eptr + word[:, None] + g[None, :]).to(tl.int32) & 0xFFFF
-        w1 = tl.load(eptr + word[:, None] + (g + 1)[None, :]).to(tl.int32) & 0xFFFF
-        w2 = tl.load(eptr + word[:, None] + (g + 2)[None, :]).to(tl.int32) & 0xFFFF
+        w0 = tl.trans(tl.load(eptr + g[:, None] + word[None, :])).to(tl.int32) & 0xFFFF
+        w1 = tl.trans(tl.load(eptr + (g + 1)[:, None] + word[None, :])).to(tl.int32) & 0xFFFF
+        w2 = tl.trans(tl.load(eptr + (g + 2)[:, None] + word[None, :])).to(tl.int32) & 0xFFFF
         raw = tl.join(w0 | (w1 << 16), w2)
     else:
         j = tl.arange(0, nbytes // WORD)
