@@ -388,36 +388,44 @@ def _join4(a, b, c, d):
 
 
 @triton.jit
+def _pair_columns(low, high):
+    """The asm converters' outputs (pack=2: [N, W, 2] each, low[n, j, :] = fp16 columns 4 j, 4 j + 1 and
+    high[n, j, :] = columns 4 j + 2, 4 j + 3, as the pairs the asm built) -> fp16 [N, 4 W] in column order."""
+    x = tl.permute(tl.join(low, high), (0, 1, 3, 2))  # [N, W, (low, high), pair]
+    return tl.reshape(x, (low.shape[0], low.shape[1] * 4))
+
+
+@triton.jit
 def _lut4_fp16(words, lut_ptr):
     """int32 [N, W] holding four 4-bit codes each (low 16 bits, little-endian) -> fp16 [N, 4 W] in natural
     order, each code looked up in a 16-entry fp16 table by byte permutes (PTX ``prmt``; GPU only). The table
     is 8 int32 at lut_ptr: the low bytes of entries 0-3, 4-7, 8-11, 12-15, then the high bytes likewise.
     11 instructions per four codes: prmt picks the low and high bytes from the lower- and upper-half
     tables (the code's low 3 bits index 8 bytes), a byte mask from bit 3 of each code (prmt's sign-replicate
-    mode) chooses between the halves, and two prmt interleave low and high bytes into fp16 pairs."""
+    mode) chooses between the halves, and two prmt interleave low and high bytes into fp16 pairs. The pairs
+    leave the asm as they are (pack=2: each output register holds two fp16 of one word), not as four 16-bit
+    values to be paired again."""
     t0, t1, t2, t3 = tl.load(lut_ptr + 0), tl.load(lut_ptr + 1), tl.load(lut_ptr + 2), tl.load(lut_ptr + 3)
     t4, t5, t6, t7 = tl.load(lut_ptr + 4), tl.load(lut_ptr + 5), tl.load(lut_ptr + 6), tl.load(lut_ptr + 7)
-    o0, o1, o2, o3 = tl.inline_asm_elementwise(
+    low, high = tl.inline_asm_elementwise(
         """{
-        .reg .b32 f, s, m, ll, lu, hl, hu, lo, hi, p, q;
-        and.b32 f, $4, 0x7777;
-        prmt.b32 ll, $5, $6, f;
-        prmt.b32 lu, $7, $8, f;
-        prmt.b32 hl, $9, $10, f;
-        prmt.b32 hu, $11, $12, f;
-        shl.b32 s, $4, 4;
-        prmt.b32 m, $4, s, 0x9D8C;
+        .reg .b32 f, s, m, ll, lu, hl, hu, lo, hi;
+        and.b32 f, $2, 0x7777;
+        prmt.b32 ll, $4, $6, f;
+        prmt.b32 lu, $8, $10, f;
+        prmt.b32 hl, $12, $14, f;
+        prmt.b32 hu, $16, $18, f;
+        shl.b32 s, $2, 4;
+        prmt.b32 m, $2, s, 0x9D8C;
         lop3.b32 lo, ll, lu, m, 0xD8;
         lop3.b32 hi, hl, hu, m, 0xD8;
-        prmt.b32 p, lo, hi, 0x5140;
-        prmt.b32 q, lo, hi, 0x7362;
-        mov.b32 {$0, $1}, p;
-        mov.b32 {$2, $3}, q;
+        prmt.b32 $0, lo, hi, 0x5140;
+        prmt.b32 $1, lo, hi, 0x7362;
         }""",
-        "=h,=h,=h,=h,r,r,r,r,r,r,r,r,r",
-        [words, t0, t1, t2, t3, t4, t5, t6, t7],
-        dtype=(tl.float16, tl.float16, tl.float16, tl.float16), is_pure=True, pack=1)
-    return _join4(o0, o1, o2, o3)
+        "=r,=r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r",
+        [tl.join(words, words), t0, t1, t2, t3, t4, t5, t6, t7],  # pack=2: the asm reads the first copy of each
+        dtype=(tl.float16, tl.float16), is_pure=True, pack=2)
+    return _pair_columns(low, high)
 
 
 @triton.jit
@@ -428,20 +436,18 @@ def _codes4_fp16_odd16(words):
     an fp16 pair as they are, the high one 4 bits up: that is the factor 16, which the caller takes out of
     the odd columns once per program instead of shifting every code (:func:`_odd16_codes` is the same
     without asm). Emulated bit-exactly in Python for all 2^16 words."""
-    o0, o1, o2, o3 = tl.inline_asm_elementwise(
+    low, high = tl.inline_asm_elementwise(
         """{
-        .reg .b32 x, y, p, q;
-        prmt.b32 x, $4, 0, 0x4040;
-        prmt.b32 y, $4, 0, 0x4141;
-        lop3.b32 p, x, 0x00F0000F, 0x64006400, 0xEA;
-        lop3.b32 q, y, 0x00F0000F, 0x64006400, 0xEA;
-        mov.b32 {$0, $1}, p;
-        mov.b32 {$2, $3}, q;
+        .reg .b32 x, y;
+        prmt.b32 x, $2, 0, 0x4040;
+        prmt.b32 y, $2, 0, 0x4141;
+        lop3.b32 $0, x, 0x00F0000F, 0x64006400, 0xEA;
+        lop3.b32 $1, y, 0x00F0000F, 0x64006400, 0xEA;
         }""",
-        "=h,=h,=h,=h,r",
-        [words],
-        dtype=(tl.float16, tl.float16, tl.float16, tl.float16), is_pure=True, pack=1)
-    return _join4(o0, o1, o2, o3)
+        "=r,=r,r,r",
+        [tl.join(words, words)],  # pack=2: both copies of a word reach the asm, it reads the first
+        dtype=(tl.float16, tl.float16), is_pure=True, pack=2)
+    return _pair_columns(low, high)
 
 
 @triton.jit
@@ -455,18 +461,15 @@ def _odd16_codes(codes, D: tl.constexpr):
 def _fp8x4_fp16(words):
     """int32 [N, W] holding four fp8 e4m3 bytes each -> fp16 [N, 4 W] in natural order by the hardware's
     two-at-a-time conversion (``cvt.rn.f16x2.e4m3x2``; GPU only)."""
-    o0, o1, o2, o3 = tl.inline_asm_elementwise(
+    low, high = tl.inline_asm_elementwise(
         """{
         .reg .b16 l, h;
-        .reg .b32 a, b;
-        mov.b32 {l, h}, $4;
-        cvt.rn.f16x2.e4m3x2 a, l;
-        cvt.rn.f16x2.e4m3x2 b, h;
-        mov.b32 {$0, $1}, a;
-        mov.b32 {$2, $3}, b;
+        mov.b32 {l, h}, $2;
+        cvt.rn.f16x2.e4m3x2 $0, l;
+        cvt.rn.f16x2.e4m3x2 $1, h;
         }""",
-        "=h,=h,=h,=h,r", [words], dtype=(tl.float16, tl.float16, tl.float16, tl.float16), is_pure=True, pack=1)
-    return _join4(o0, o1, o2, o3)
+        "=r,=r,r,r", [tl.join(words, words)], dtype=(tl.float16, tl.float16), is_pure=True, pack=2)
+    return _pair_columns(low, high)
 
 
 @triton.jit
@@ -488,6 +491,16 @@ def _join16(c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15
 
 
 @triton.jit
+def _join_quads(y0, y1, y2, y3):
+    """Four [N, 4 G] tensors (quad q of each group of 16 codes: column 4 g + k is code 4 q + k of group g)
+    -> [N, 16 G] in natural order (column 16 g + 4 q + k)."""
+    shape: tl.constexpr = (y0.shape[0], y0.shape[1] // 4, 4)
+    x = tl.join(tl.join(tl.reshape(y0, shape), tl.reshape(y2, shape)),
+                tl.join(tl.reshape(y1, shape), tl.reshape(y3, shape)))  # [N, G, 4 (k), 2 (i), 2 (j)]: quad 2 i + j
+    return tl.reshape(tl.permute(x, (0, 1, 3, 4, 2)), (y0.shape[0], y0.shape[1] * 4))
+
+
+@triton.jit
 def _codes3(x, k: tl.constexpr):
     return (x >> (3 * k)) & 7
 
@@ -506,16 +519,15 @@ def _keys3(words, lut_ptr, cent_ptr, ASM: tl.constexpr, DTYPE: tl.constexpr):
     permutes on the GPU (:func:`_lut3_fp16`), by a select tree otherwise."""
     x0, x1, x2, x3 = _quads3(words)
     if ASM:
-        a0, a1, a2, a3 = _lut3_fp16(x0, lut_ptr)
-        b0, b1, b2, b3 = _lut3_fp16(x1, lut_ptr)
-        c0, c1, c2, c3 = _lut3_fp16(x2, lut_ptr)
-        d0, d1, d2, d3 = _lut3_fp16(x3, lut_ptr)
+        cent = _join_quads(_pair_columns(*_lut3_fp16(x0, lut_ptr)), _pair_columns(*_lut3_fp16(x1, lut_ptr)),
+                           _pair_columns(*_lut3_fp16(x2, lut_ptr)), _pair_columns(*_lut3_fp16(x3, lut_ptr)))
     else:
         a0, a1, a2, a3 = _centroids3x4(x0, cent_ptr, DTYPE)
         b0, b1, b2, b3 = _centroids3x4(x1, cent_ptr, DTYPE)
         c0, c1, c2, c3 = _centroids3x4(x2, cent_ptr, DTYPE)
         d0, d1, d2, d3 = _centroids3x4(x3, cent_ptr, DTYPE)
-    return _join16(a0, a1, a2, a3, b0, b1, b2, b3, c0, c1, c2, c3, d0, d1, d2, d3)
+        cent = _join16(a0, a1, a2, a3, b0, b1, b2, b3, c0, c1, c2, c3, d0, d1, d2, d3)
+    return cent
 
 
 @triton.jit
@@ -538,32 +550,30 @@ def _values3_f16(words):
 
 @triton.jit
 def _lut3_fp16(words, lut_ptr):
-    """int32 [N, G] whose low 12 bits hold four 3-bit codes -> four fp16 [N, G], each code looked up in an
-    8-entry fp16 table by byte permutes (PTX ``prmt``; GPU only): the codes spread into the nibbles of a
-    selector (three shifts, three lop3), then prmt picks the low and the high bytes from the table's halves and
-    two prmt pair them. The table: :func:`key_lut`'s words 0, 1 (low bytes of entries 0-3, 4-7) and 4, 5
-    (high bytes)."""
+    """int32 [N, G] whose low 12 bits hold four 3-bit codes -> their fp16 centroids as :func:`_pair_columns`
+    takes them (two [N, G, 2]: codes 0, 1 and codes 2, 3), each code looked up in an 8-entry fp16 table by
+    byte permutes (PTX ``prmt``; GPU only): the codes spread into the nibbles of a selector (three shifts,
+    three lop3), then prmt picks the low and the high bytes from the table's halves and two prmt pair them.
+    The table: :func:`key_lut`'s words 0, 1 (low bytes of entries 0-3, 4-7) and 4, 5 (high bytes)."""
     t0, t1, t2, t3 = tl.load(lut_ptr + 0), tl.load(lut_ptr + 1), tl.load(lut_ptr + 4), tl.load(lut_ptr + 5)
     return tl.inline_asm_elementwise(
         """{
-        .reg .b32 s, a, lo, hi, p, q;
-        and.b32 s, $4, 7;
-        shl.b32 a, $4, 1;
+        .reg .b32 s, a, lo, hi;
+        and.b32 s, $2, 7;
+        shl.b32 a, $2, 1;
         lop3.b32 s, s, a, 0x70, 0xF8;
-        shl.b32 a, $4, 2;
+        shl.b32 a, $2, 2;
         lop3.b32 s, s, a, 0x700, 0xF8;
-        shl.b32 a, $4, 3;
+        shl.b32 a, $2, 3;
         lop3.b32 s, s, a, 0x7000, 0xF8;
-        prmt.b32 lo, $5, $6, s;
-        prmt.b32 hi, $7, $8, s;
-        prmt.b32 p, lo, hi, 0x5140;
-        prmt.b32 q, lo, hi, 0x7362;
-        mov.b32 {$0, $1}, p;
-        mov.b32 {$2, $3}, q;
+        prmt.b32 lo, $4, $6, s;
+        prmt.b32 hi, $8, $10, s;
+        prmt.b32 $0, lo, hi, 0x5140;
+        prmt.b32 $1, lo, hi, 0x7362;
         }""",
-        "=h,=h,=h,=h,r,r,r,r,r",
-        [words, t0, t1, t2, t3],
-        dtype=(tl.float16, tl.float16, tl.float16, tl.float16), is_pure=True, pack=1)
+        "=r,=r,r,r,r,r,r,r,r,r,r,r",
+        [tl.join(words, words), t0, t1, t2, t3],  # pack=2: the asm reads the first copy of each
+        dtype=(tl.float16, tl.float16), is_pure=True, pack=2)
 
 
 @triton.jit

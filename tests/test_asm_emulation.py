@@ -39,12 +39,20 @@ def _lop3(a: np.ndarray, b: np.ndarray, c: np.ndarray, lut: int) -> np.ndarray:
 
 
 def _run_asm(fn, words: np.ndarray, tables: list[int] = ()) -> list[np.ndarray]:
-    """Interpret the PTX of ``fn``'s inline asm (and, shl, prmt, lop3, mov into fp16 pairs) on uint32 ``words``
-    ($4) and the table words ``tables`` ($5, $6, ...); its four fp16 outputs ($0-$3)."""
-    text = re.search(r'"""\{(.*?)\}"""', inspect.getsource(getattr(fn, "fn", fn)), re.S).group(1)
-    regs = {"$4": words.astype(np.uint32)}
-    regs.update({f"${5 + i}": np.full_like(words, t & 0xFFFFFFFF, dtype=np.uint32) for i, t in enumerate(tables)})
-    outputs = {}
+    """Interpret the PTX of ``fn``'s inline asm (and, shl, prmt, lop3, mov) on uint32 ``words`` and the table
+    words ``tables`` (its arguments in order, each repeated ``pack`` times as Triton numbers them, after the
+    outputs); its four fp16 results in column order: from four 16-bit outputs ("=h", pack=1), or from two
+    32-bit outputs each holding an fp16 pair ("=r", pack=2: low half first)."""
+    source = inspect.getsource(getattr(fn, "fn", fn))
+    text = re.search(r'"""\{(.*?)\}"""', source, re.S).group(1)
+    constraints = re.search(r'"(=[^"]*)"', source).group(1).split(",")
+    pack = int(re.search(r"pack=(\d)", source).group(1))
+    outs = sum(c.startswith("=") for c in constraints)
+    regs = {}
+    for i, arg in enumerate([words, *tables]):
+        value = (words if i == 0 else np.full_like(words, arg & 0xFFFFFFFF)).astype(np.uint32)
+        for copy in range(pack):
+            regs[f"${outs + i * pack + copy}"] = value
 
     def val(tok: str) -> np.ndarray:
         tok = tok.strip()
@@ -60,7 +68,7 @@ def _run_asm(fn, words: np.ndarray, tables: list[int] = ()) -> list[np.ndarray]:
         if op == "mov.b32":
             low_high, src = re.match(r"\{(.*?)\},\s*(\w+)", args).groups()
             low, high = (t.strip() for t in low_high.split(","))
-            outputs[low], outputs[high] = val(src) & 0xFFFF, val(src) >> 16
+            regs[low], regs[high] = val(src) & 0xFFFF, val(src) >> 16
             continue
         dst, *src = (t.strip() for t in args.split(","))
         if op == "and.b32":
@@ -73,7 +81,12 @@ def _run_asm(fn, words: np.ndarray, tables: list[int] = ()) -> list[np.ndarray]:
             regs[dst] = _lop3(val(src[0]), val(src[1]), val(src[2]), int(src[3], 0))
         else:
             raise AssertionError(f"no emulation for {op}")
-    return [outputs[f"${i}"].astype(np.uint16).view(np.float16) for i in range(4)]
+    if constraints[0] == "=h":
+        halves = [regs[f"${i}"] for i in range(4)]
+    else:
+        assert constraints[:2] == ["=r", "=r"] and pack == 2, constraints
+        halves = [regs["$0"] & 0xFFFF, regs["$0"] >> 16, regs["$1"] & 0xFFFF, regs["$1"] >> 16]
+    return [h.astype(np.uint16).view(np.float16) for h in halves]
 
 
 def test_uniform_code_unpacking_gives_1024_plus_code_and_16_code_in_odd_columns():

@@ -414,6 +414,39 @@ def test_kernels_read_every_block_size(kernel, block, block_n):
     torch.testing.assert_close(out.float(), expected.float(), **_tolerance(torch.float16))
 
 
+def test_asm_pairs_and_quads_reach_natural_column_order():
+    """The GPU's converters hand back fp16 pairs (pack=2) and 3-bit quads; the joins that put them in column
+    order are plain Triton and run here: every column must hold its own value."""
+    import triton
+    import triton.language as tl
+
+    global _ta  # the interpreter resolves a kernel's names in its module's globals, not in this function
+    from tqkv_compile.lowerings import triton_attention as _ta
+
+    @triton.jit
+    def columns(pairs_ptr, quads_ptr, N: tl.constexpr, W: tl.constexpr):
+        n = tl.arange(0, N)[:, None, None]
+        j = tl.arange(0, W)[None, :, None]
+        e = tl.arange(0, 2)[None, None, :]
+        pairs = _ta._pair_columns((n * 1000 + 4 * j + e).to(tl.float32), (n * 1000 + 4 * j + 2 + e).to(tl.float32))
+        c = tl.arange(0, 4 * W)
+        tl.store(pairs_ptr + tl.arange(0, N)[:, None] * 4 * W + c[None, :], pairs)
+        # quad q of group g: column 4 g + k holds code 16 g + 4 q + k
+        g, k = (c // 4)[None, :], (c % 4)[None, :]
+        rows = tl.arange(0, N)[:, None] * 1000
+        quads = _ta._join_quads((rows + 16 * g + k).to(tl.float32), (rows + 16 * g + 4 + k).to(tl.float32),
+                            (rows + 16 * g + 8 + k).to(tl.float32), (rows + 16 * g + 12 + k).to(tl.float32))
+        q = tl.arange(0, 16 * W)
+        tl.store(quads_ptr + tl.arange(0, N)[:, None] * 16 * W + q[None, :], quads)
+
+    n, w = 4, 8
+    pairs, quads = torch.zeros(n, 4 * w), torch.zeros(n, 16 * w)
+    columns[(1,)](pairs, quads, N=n, W=w)
+    rows = torch.arange(n)[:, None] * 1000.0
+    assert torch.equal(pairs, rows + torch.arange(4 * w)[None, :])
+    assert torch.equal(quads, rows + torch.arange(16 * w)[None, :])
+
+
 def test_launchers_run_through_wrap_triton():
     """The launch hook that lets Inductor trace the kernels (``torch.library.wrap_triton``; see
     lowerings/inductor_ops.py) launches the same kernels: the attention and the cache bytes are unchanged."""
