@@ -396,18 +396,6 @@ def _pair_columns(low, high):
 
 
 @triton.jit
-def _lane_parity():
-    """0 or 1 by the thread's lane (GPU only). The lookups read their table from the copy it names (key_lut holds
-    two): ptxas can no longer prove the table's words uniform, so it keeps them in ordinary registers instead of
-    copying them out of uniform ones before every byte permute (PRMT cannot read those); triton 3.6, sm_90a:
-    4bit_nc 988 -> 956 SASS a tile, tqkv_4bit_pc 904 -> 872, k3v4_nc 945 -> 919, 3bit_nc 942 -> 915."""
-    return tl.inline_asm_elementwise("""{
-        mov.u32 $0, %laneid;
-        and.b32 $0, $0, 1;
-        }""", "=r,r", [tl.program_id(0)], dtype=tl.int32, is_pure=True, pack=1)
-
-
-@triton.jit
 def _lut4_fp16(words, lut_ptr):
     """int32 [N, W] holding four 4-bit codes each (low 16 bits, little-endian) -> fp16 [N, 4 W] in natural
     order, each code looked up in a 16-entry fp16 table by byte permutes (PTX ``prmt``; GPU only). The table
@@ -417,7 +405,6 @@ def _lut4_fp16(words, lut_ptr):
     mode) chooses between the halves, and two prmt interleave low and high bytes into fp16 pairs. The pairs
     leave the asm as they are (pack=2: each output register holds two fp16 of one word), not as four 16-bit
     values to be paired again."""
-    lut_ptr += 8 * _lane_parity()
     t0, t1, t2, t3 = tl.load(lut_ptr + 0), tl.load(lut_ptr + 1), tl.load(lut_ptr + 2), tl.load(lut_ptr + 3)
     t4, t5, t6, t7 = tl.load(lut_ptr + 4), tl.load(lut_ptr + 5), tl.load(lut_ptr + 6), tl.load(lut_ptr + 7)
     low, high = tl.inline_asm_elementwise(
@@ -568,7 +555,6 @@ def _lut3_fp16(words, lut_ptr):
     byte permutes (PTX ``prmt``; GPU only): the codes spread into the nibbles of a selector (three shifts,
     three lop3), then prmt picks the low and the high bytes from the table's halves and two prmt pair them.
     The table: :func:`key_lut`'s words 0, 1 (low bytes of entries 0-3, 4-7) and 4, 5 (high bytes)."""
-    lut_ptr += 8 * _lane_parity()
     t0, t1, t2, t3 = tl.load(lut_ptr + 0), tl.load(lut_ptr + 1), tl.load(lut_ptr + 4), tl.load(lut_ptr + 5)
     return tl.inline_asm_elementwise(
         """{
@@ -924,8 +910,7 @@ def key_lut(preset: Preset, device: torch.device) -> torch.Tensor:
         if not preset.key_fp8 and preset.key_bits in (3, 4):  # (other widths: no stream kernel, a placeholder)
             table = preset.centroids("cpu").float()
             cents[:table.numel()] = table
-        words = _lut_words(cents)
-        _LUTS[key] = torch.cat([words, words]).to(device)  # twice: the lane's parity picks a copy (_lane_parity)
+        _LUTS[key] = _lut_words(cents).to(device)
     return _LUTS[key]
 
 

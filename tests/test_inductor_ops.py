@@ -69,9 +69,8 @@ def test_every_presets_tables_build(preset_name):
 
     t = inductor_ops.tables(preset_name, 64, torch.device("cpu"))
     preset = tqkv_compile.get_preset(preset_name, 64)
-    assert t["key_lut"].shape == (16,) and t["key_lut"].dtype == torch.int32  # the table twice (_lane_parity)
-    assert torch.equal(t["key_lut"][:8], t["key_lut"][8:])
+    assert t["key_lut"].shape == (8,) and t["key_lut"].dtype == torch.int32
     if not preset.key_fp8 and preset.key_bits in (3, 4):
         cents = preset.centroids("cpu").float()
         padded = torch.cat([cents, torch.zeros(16 - cents.numel())])
-        assert torch.equal(t["key_lut"][:8], _lut_words(padded))
+        assert torch.equal(t["key_lut"], _lut_words(padded))
