@@ -29,9 +29,10 @@ tile (warp w: positions 16 w .. 16 w + 15 for the keys), head size D = 128 or 25
   uniform and keeps it in registers (otherwise it re-copied it from uniform registers before every use: 70 of
   558 SASS a tile).
 
-Status: compiled statically only (no GPU was lent when it was written); ``TQKV_FRAGMENT_KERNEL=1`` (or
-``decode_attention(kernel="fragments")``) selects it where :func:`supports` says it can serve the call, and
-``tqkv bench kernels --check`` is its correctness test on a GPU. Contract: :func:`_decode_stream_kernel`'s
+Status: checked against the reference on an H200 (heads 128 and 256; 0 failures, worst relative error 5.9e-3)
+and timed there (2026-12-05): :func:`preferred` says where it wins, and the launcher takes it there by default
+(``TQKV_FRAGMENT_KERNEL=0`` turns it off, ``=1`` takes it wherever it can serve the call; or
+``decode_attention(kernel="fragments")``); ``tqkv bench kernels --check`` is its correctness test on a GPU. Contract: :func:`_decode_stream_kernel`'s
 (partials and their base-2 log-sum-exp for the merge kernel), with the query from :func:`prepare_query`.
 """
 
@@ -56,10 +57,31 @@ NUM_WARPS = 4
 ENV = "TQKV_FRAGMENT_KERNEL"
 
 
+def mode() -> str:
+    """``TQKV_FRAGMENT_KERNEL``: ``auto`` (the default: :func:`preferred` decides), ``1`` (wherever it can serve
+    the call), ``0`` (never: the stream kernel)."""
+    value = os.environ.get(ENV, "auto")
+    if value not in ("auto", "0", "1"):
+        raise ValueError(f"{ENV}={value!r}: expected auto, 0 or 1")
+    return value
+
+
+def preferred(preset: Preset, rows: int, max_len: int) -> bool:
+    """Where the fragment kernel is the faster one, from the shapes alone (graph-stable). H200, 2026-12-05, the
+    same machine start (``h200-fragments.json``, ``h200-kernels.json``), us per layer, stream -> fragments:
+    4bit_nc 64 x 32768 2150 -> 1582, 1 x 32768 47.5 -> 42.1, 64 x 4096 281 -> 211, 16 x 8192 147 -> 115, but
+    1 x 4096 14.8 -> 17.4 (a small grid: the heavier prologue and epilogue of few tiles a program); tqkv_4bit_pc
+    alike; k8v4 64 x 32768 1632 -> 1550, 64 x 4096 214 -> 207, 16 x 8192 113 -> 111, but 1 x 32768 36.6 -> 38.9
+    and 1 x 4096 10.5 -> 15.3 (the stream kernel prepares fp8 keys' query itself: one launch fewer). So: 4-bit
+    keys for batches above 1 or tables of 16384 positions and more, fp8 keys for batches of 16 and more."""
+    if preset.key_fp8:
+        return rows >= 16
+    return rows > 1 or max_len >= 16384
+
+
 def enabled() -> bool:
-    """Whether the launcher picks this kernel where it can (``TQKV_FRAGMENT_KERNEL=1``; off by default until it
-    has been checked and timed on a GPU)."""
-    return os.environ.get(ENV, "0") == "1"
+    """Whether the launcher may pick this kernel by itself (``TQKV_FRAGMENT_KERNEL`` not ``0``)."""
+    return mode() != "0"
 
 
 def maxnreg(dim: int) -> int:
@@ -170,7 +192,9 @@ _LUTS: dict[tuple[str, int, str], torch.Tensor] = {}
 
 def key_lut(preset: Preset, device: torch.device) -> torch.Tensor:
     """The stream kernel's key table (:func:`triton_attention.key_lut`, 8 int32) twice, built once per preset
-    and device: the kernel loads the copy its lane's parity names."""
+    and device (before CUDA-graph capture: ``TritonBackend.warm``): the kernel loads the copy its lane's parity
+    names. (The stream kernel had the same trick for a while: -3% SASS there, but +1% time on the H200, so
+    reverted; here it is part of what was timed.)"""
     from tqkv_compile.lowerings.triton_attention import key_lut as stream_lut
 
     key = (preset.name, preset.head_dim, str(device))

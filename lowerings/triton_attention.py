@@ -20,9 +20,9 @@ multi-token rows is served: each row attends to positions ``0 .. seq_len - n_new
 
 Two split kernels share that contract: ``_decode_stream_kernel`` (fields read as 16- or 32-bit words,
 vLLM's four layouts, the one every engine cache takes) and ``_decode_split_kernel`` (byte loads: any view,
-the fallback); :func:`default_kernel` picks. A third, :mod:`gluon_decode`'s fragment kernel (4-bit keys and
-values, Gluon: each thread loads its own mma fragments' codes), is opt-in (``TQKV_FRAGMENT_KERNEL=1``) until
-it has run on a GPU. (A third, the word kernel, served 3-bit fields from 32-bit words
+the fallback); :func:`default_kernel` picks. A third, :mod:`gluon_decode`'s fragment kernel (4-bit or fp8 keys
+with 4-bit values, Gluon: each thread loads its own mma fragments' codes), takes their place on CUDA where it
+is the faster one (``gluon_decode.preferred``). (A third, the word kernel, served 3-bit fields from 32-bit words
 until the stream kernel read them, 2026-12-04; measured in bench/results/h200-kernels-notes.md.)
 """
 
@@ -993,9 +993,11 @@ def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: t
     interpret = query.device.type == "cpu"
     if kernel is None:
         kernel = default_kernel(preset, kv_cache, query.device)
-        if (kernel == "stream" and gluon_decode.enabled() and launch is _plain_launch
+        fragments = gluon_decode.mode()
+        if (kernel == "stream" and fragments != "0" and launch is _plain_launch and not interpret
+                and (fragments == "1" or gluon_decode.preferred(preset, rows, block_table.shape[1] * kv_cache.shape[1]))
                 and gluon_decode.supports(preset, kv_cache, group, query.device) is None):
-            kernel = "fragments"  # opt-in until timed on a GPU (TQKV_FRAGMENT_KERNEL=1; not traced by Inductor)
+            kernel = "fragments"  # where it is faster (gluon_decode.preferred; not traced by Inductor)
     if kernel not in ("stream", "bytes", "fragments"):
         raise ValueError(f"kernel: expected 'stream', 'bytes' or 'fragments', got {kernel!r}")
     if kernel == "fragments":

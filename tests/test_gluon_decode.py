@@ -2,7 +2,8 @@
 can be checked here is checked here: its inline PTX on every input (emulated), its coordinate orders, that it
 compiles for Hopper with every conversion into an mma operand a no-op (``assert_trivial``) and no tile through
 shared memory, and that the launcher picks it only where it may. Its numbers are checked on a GPU by ``tqkv bench
-kernels --check`` with ``TQKV_FRAGMENT_KERNEL=1``."""
+kernels --check`` (``TQKV_FRAGMENT_KERNEL=1`` to take it for every case it serves)."""
+
 
 from __future__ import annotations
 
@@ -160,12 +161,18 @@ def test_fragment_kernel_compiles_for_hopper_with_no_tile_through_shared_memory(
         assert r["mma"] == kt * (2 if r["norm_correction"] else 1) + 4 * r["dim"] // 64, r
 
 
-def test_the_launcher_takes_it_only_where_it_can_and_only_when_asked(monkeypatch):
+def test_the_launcher_takes_it_only_where_it_can(monkeypatch):
     """Without a GPU the fragment kernel is never picked (a reason is given); asked for by name it is refused
-    with that reason; presets it does not read are refused by name."""
+    with that reason; presets it does not read are refused by name; TQKV_FRAGMENT_KERNEL is auto, 0 or 1."""
     p = tqkv_compile.get_preset("turboquant_4bit_nc", 128)
     cache = torch.zeros(4, 16, 2, p.slot_bytes, dtype=torch.uint8)
     assert "CUDA" in gluon_decode.supports(p, cache, 4, torch.device("cpu"))
+    assert gluon_decode.mode() == "auto" and gluon_decode.enabled()
+    monkeypatch.setenv(gluon_decode.ENV, "0")
+    assert not gluon_decode.enabled()
+    monkeypatch.setenv(gluon_decode.ENV, "yes")
+    with pytest.raises(ValueError, match="auto, 0 or 1"):
+        gluon_decode.mode()
     monkeypatch.setenv(gluon_decode.ENV, "1")
     assert gluon_decode.enabled()
     k3 = tqkv_compile.get_preset("turboquant_k3v4_nc", 128)
@@ -188,3 +195,12 @@ def test_the_launcher_takes_it_only_where_it_can_and_only_when_asked(monkeypatch
         triton_attention.decode_attention(q, cache, torch.zeros(1, 4, dtype=torch.int32),
                                           torch.ones(1, dtype=torch.int32), torch.tensor([0, 1], dtype=torch.int32),
                                           0.1, p, torch.eye(128), torch.zeros(16), kernel="fragments")
+
+
+def test_it_is_preferred_where_the_h200_measured_it_faster():
+    """The default's rule, against the measurements it came from (gluon_decode.preferred's docstring)."""
+    nc, k8 = tqkv_compile.get_preset("turboquant_4bit_nc", 128), tqkv_compile.get_preset("turboquant_k8v4", 128)
+    assert gluon_decode.preferred(nc, 64, 32768) and gluon_decode.preferred(nc, 1, 32768)
+    assert gluon_decode.preferred(nc, 16, 8192) and not gluon_decode.preferred(nc, 1, 4096)
+    assert gluon_decode.preferred(k8, 64, 4096) and gluon_decode.preferred(k8, 16, 8192)
+    assert not gluon_decode.preferred(k8, 1, 32768) and not gluon_decode.preferred(k8, 1, 4096)

@@ -98,7 +98,7 @@ class TritonBackend:
         key_lut(preset, device)
         rotation_signs(preset.head_dim, device)
         if gluon_decode.enabled() and device.type == "cuda" and preset.head_dim in (128, 256):
-            gluon_decode.key_lut(preset, device)  # the fragment kernel's tables (opt-in, TQKV_FRAGMENT_KERNEL=1)
+            gluon_decode.key_lut(preset, device)  # the fragment kernel's tables
             gluon_decode.orders(preset.head_dim, device)
         # kept arrival counts for 1024 row blocks of a write, zeroed now (not inside CUDA-graph capture)
         arrival_counts("kv_write_norm", 1024, device)
