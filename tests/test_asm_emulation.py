@@ -38,27 +38,22 @@ def _lop3(a: np.ndarray, b: np.ndarray, c: np.ndarray, lut: int) -> np.ndarray:
     return d
 
 
-def _run_asm(fn, words: np.ndarray, tables: list[int] = ()) -> list[np.ndarray]:
-    """Interpret the PTX of ``fn``'s inline asm (and, shl, prmt, lop3, mov) on uint32 ``words`` and the table
-    words ``tables`` (its arguments in order, each repeated ``pack`` times as Triton numbers them, after the
-    outputs); its four fp16 results in column order: from four 16-bit outputs ("=h", pack=1), or from two
-    32-bit outputs each holding an fp16 pair ("=r", pack=2: low half first)."""
-    source = inspect.getsource(getattr(fn, "fn", fn))
-    text = re.search(r'"""\{(.*?)\}"""', source, re.S).group(1)
-    constraints = re.search(r'"(=[^"]*)"', source).group(1).split(",")
-    pack = int(re.search(r"pack=(\d)", source).group(1))
-    outs = sum(c.startswith("=") for c in constraints)
-    regs = {}
-    for i, arg in enumerate([words, *tables]):
-        value = (words if i == 0 else np.full_like(words, arg & 0xFFFFFFFF)).astype(np.uint32)
-        for copy in range(pack):
-            regs[f"${outs + i * pack + copy}"] = value
+def asm_text(fn) -> str:
+    """The inline PTX between ``\"""{`` and ``}\"""`` in the source of a (Triton or Gluon) jit function."""
+    return re.search(r'"""\{(.*?)\}"""', inspect.getsource(getattr(fn, "fn", fn)), re.S).group(1)
+
+
+def execute(text: str, regs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Run inline-PTX ``text`` (and, shl, prmt, lop3, mov into 16-bit halves) on uint32 arrays given by operand
+    name (all one shape); every register it writes, operands included, alongside the inputs."""
+    regs = dict(regs)
+    shape = next(iter(regs.values())).shape
 
     def val(tok: str) -> np.ndarray:
         tok = tok.strip()
         if tok in regs:
             return regs[tok]
-        return np.full_like(words, int(tok, 0), dtype=np.uint32)
+        return np.full(shape, int(tok, 0) & 0xFFFFFFFF, dtype=np.uint32)
 
     for line in text.split(";"):
         line = line.strip()
@@ -81,6 +76,26 @@ def _run_asm(fn, words: np.ndarray, tables: list[int] = ()) -> list[np.ndarray]:
             regs[dst] = _lop3(val(src[0]), val(src[1]), val(src[2]), int(src[3], 0))
         else:
             raise AssertionError(f"no emulation for {op}")
+    return regs
+
+
+def _run_asm(fn, words: np.ndarray, tables: list[int] = ()) -> list[np.ndarray]:
+    """Interpret the PTX of ``fn``'s inline asm (and, shl, prmt, lop3, mov) on uint32 ``words`` and the table
+    words ``tables`` (its arguments in order, each repeated ``pack`` times as Triton numbers them, after the
+    outputs); its four fp16 results in column order: from four 16-bit outputs ("=h", pack=1), or from two
+    32-bit outputs each holding an fp16 pair ("=r", pack=2: low half first)."""
+    source = inspect.getsource(getattr(fn, "fn", fn))
+    text = asm_text(fn)
+    constraints = re.search(r'"(=[^"]*)"', source).group(1).split(",")
+    pack = int(re.search(r"pack=(\d)", source).group(1))
+    outs = sum(c.startswith("=") for c in constraints)
+    regs = {}
+    for i, arg in enumerate([words, *tables]):
+        value = (words if i == 0 else np.full_like(words, arg & 0xFFFFFFFF)).astype(np.uint32)
+        for copy in range(pack):
+            regs[f"${outs + i * pack + copy}"] = value
+
+    regs = execute(text, regs)
     if constraints[0] == "=h":
         halves = [regs[f"${i}"] for i in range(4)]
     else:

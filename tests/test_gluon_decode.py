@@ -7,8 +7,6 @@ kernels --check`` (``TQKV_FRAGMENT_KERNEL=1`` to take it for every case it serve
 
 from __future__ import annotations
 
-import inspect
-import re
 
 import numpy as np
 import pytest
@@ -16,39 +14,16 @@ import torch
 
 pytest.importorskip("triton.experimental.gluon")
 
-from test_asm_emulation import _lop3, _prmt  # noqa: E402
+from test_asm_emulation import asm_text, execute  # noqa: E402
 
 import tqkv_compile  # noqa: E402
 from tqkv_compile.lowerings import gluon_decode, triton_attention  # noqa: E402
 
 
 def _emulate(fn, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """Run the inline PTX of a Gluon function (and, shl, prmt, lop3) on uint32 arrays given by operand name;
-    every register it writes, operands included."""
-    text = re.search(r'"""\{(.*?)\}"""', inspect.getsource(fn.fn), re.S).group(1)
-    regs = {k: v.astype(np.uint32) for k, v in inputs.items()}
-    shape = next(iter(regs.values())).shape
-
-    def val(tok: str) -> np.ndarray:
-        return regs[tok] if tok in regs else np.full(shape, int(tok, 0) & 0xFFFFFFFF, dtype=np.uint32)
-
-    for line in text.split(";"):
-        line = line.strip()
-        if not line or line.startswith(".reg"):
-            continue
-        op, args = line.split(None, 1)
-        dst, *src = (t.strip() for t in args.split(","))
-        if op == "and.b32":
-            regs[dst] = val(src[0]) & val(src[1])
-        elif op == "shl.b32":
-            regs[dst] = (val(src[0]) << int(src[1], 0)) & 0xFFFFFFFF
-        elif op == "prmt.b32":
-            regs[dst] = _prmt(val(src[0]), val(src[1]), val(src[2]))
-        elif op == "lop3.b32":
-            regs[dst] = _lop3(val(src[0]), val(src[1]), val(src[2]), int(src[3], 0))
-        else:
-            raise AssertionError(f"no emulation for {op}")
-    return regs
+    """Run the inline PTX of a Gluon function on uint32 arrays given by operand name (test_asm_emulation's
+    interpreter); every register it writes, operands included."""
+    return execute(asm_text(fn), {k: v.astype(np.uint32) for k, v in inputs.items()})
 
 
 def _halves(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
