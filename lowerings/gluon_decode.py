@@ -79,6 +79,15 @@ def preferred(preset: Preset, rows: int, max_len: int) -> bool:
     return rows > 1 or max_len >= 16384
 
 
+def wanted(preset: Preset, kv_cache: torch.Tensor, group: int, rows: int, max_len: int,
+           device: torch.device) -> bool:
+    """Whether the launcher takes this kernel by itself for the call: ``TQKV_FRAGMENT_KERNEL`` (:func:`mode`:
+    ``1`` wherever it can serve, ``auto`` where :func:`preferred`), and it can serve the call (:func:`supports`)."""
+    chosen = mode()
+    return (chosen == "1" or (chosen == "auto" and preferred(preset, rows, max_len))) and \
+        supports(preset, kv_cache, group, device) is None
+
+
 def enabled() -> bool:
     """Whether the launcher may pick this kernel by itself (``TQKV_FRAGMENT_KERNEL`` not ``0``)."""
     return mode() != "0"

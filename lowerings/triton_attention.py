@@ -991,23 +991,22 @@ def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: t
     if rows == 0:
         return out
     interpret = query.device.type == "cpu"
+    max_len = block_table.shape[1] * kv_cache.shape[1]
     if kernel is None:
         kernel = default_kernel(preset, kv_cache, query.device)
-        fragments = gluon_decode.mode()
-        if (kernel == "stream" and fragments != "0" and launch is _plain_launch and not interpret
-                and (fragments == "1" or gluon_decode.preferred(preset, rows, block_table.shape[1] * kv_cache.shape[1]))
-                and gluon_decode.supports(preset, kv_cache, group, query.device) is None):
-            kernel = "fragments"  # where it is faster (gluon_decode.preferred; not traced by Inductor)
-    if kernel not in ("stream", "bytes", "fragments"):
-        raise ValueError(f"kernel: expected 'stream', 'bytes' or 'fragments', got {kernel!r}")
-    if kernel == "fragments":
+        if kernel == "stream" and launch is _plain_launch and gluon_decode.wanted(preset, kv_cache, group, rows,
+                                                                                  max_len, query.device):
+            kernel = "fragments"  # where it is faster (not traced by Inductor: launched here)
+    elif kernel == "fragments":
         if (why := gluon_decode.supports(preset, kv_cache, group, query.device)) is not None:
             raise ValueError(f"kernel='fragments': {why}")
         if launch is not _plain_launch:
             raise ValueError("kernel='fragments': a Gluon kernel is not launched from Inductor's code (yet)")
+    if kernel not in ("stream", "bytes", "fragments"):
+        raise ValueError(f"kernel: expected 'stream', 'bytes' or 'fragments', got {kernel!r}")
+    if kernel == "fragments":
         block_n, num_warps = gluon_decode.BLOCK_N, gluon_decode.NUM_WARPS
         maxnreg = gluon_decode.maxnreg(dim)
-    max_len = block_table.shape[1] * kv_cache.shape[1]
     if block_n is None:  # the H200 sweeps' best (bench/results/h200-kernels-notes.md)
         block_n = 16 if interpret else (32 if kernel == "bytes" else 64)
         # fp8 keys: 128-position tiles where they still fill the GPU twice (H200: 4-11% faster from 64x4096 up,

@@ -163,6 +163,13 @@ def test_the_launcher_takes_it_only_where_it_can(monkeypatch):
     assert "group of 16" in gluon_decode.supports(p, cache, 16, meta)
     assert "multiple of 16" in gluon_decode.supports(p, torch.zeros(4, 8, 2, p.slot_bytes, dtype=torch.uint8), 4, meta)
     assert gluon_decode.supports(p, cache, 4, meta) is None
+    assert gluon_decode.wanted(p, cache, 4, 64, 4096, meta) and not gluon_decode.wanted(p, cache, 4, 64, 4096,
+                                                                                         torch.device("cpu"))
+    monkeypatch.setenv(gluon_decode.ENV, "auto")
+    assert not gluon_decode.wanted(p, cache, 4, 1, 4096, meta)  # where the stream kernel measured faster
+    monkeypatch.setenv(gluon_decode.ENV, "0")
+    assert not gluon_decode.wanted(p, cache, 4, 64, 4096, meta)
+    monkeypatch.setenv(gluon_decode.ENV, "1")
     huge = torch.empty(300_000, 16, 8, p.slot_bytes, dtype=torch.uint8, device="meta")  # 4.8 GB: past int32
     assert "2^31" in gluon_decode.supports(p, huge, 4, meta)
     q = torch.zeros(1, 8, 128)
