@@ -22,9 +22,10 @@
 #   bash bench/h200_session.sh variants          decode kernels (4bit_nc, k8v4; VARIANT_PRESETS / VARIANT_CASES) and
 #                                                kv_write of each .variants/ tree (bench/make_variants.sh), beside
 #                                                FA3 and vLLM's, in one run: $OUT/h200-variants.json, $OUT/variants.log
-#   bash bench/h200_session.sh fragments         gluon_decode's fragment kernel (never run on a GPU before): checked
-#                                                against the reference (4-bit presets, heads 128 / 256), then timed
-#                                                against the stream kernel in one command (FRAG_CASES, FRAG_PRESETS)
+#   bash bench/h200_session.sh fragments         gluon_decode's fragment kernel at each FRAG_PREFETCH (default
+#                                                "0 1 2"): checked against the reference (heads 128 / 256), then
+#                                                all timed against the stream kernel in one command (FRAG_CASES,
+#                                                FRAG_PRESETS)
 #   bash bench/h200_session.sh install           only the install (above every stage), e.g. before a command's own steps
 #   bash bench/h200_session.sh diagnose          why an eager tqkv run did not finish (h200-vllm020-notes.md)
 #   bash bench/h200_session.sh fa2               vLLM's FA2 first-launch times (driver JIT from sm_80 PTX on
@@ -170,14 +171,23 @@ for r in json.load(open(sys.argv[1]))[1:]: print(r['preset'], f\"{r['B']}x{r['L'
         "$OUT/h200-tune.json" || tail -5 "$OUT/tune.log"
     ;;
 fragments)
-    step "fragment kernel: check against the reference (TQKV_FRAGMENT_KERNEL=1)"
-    TQKV_FRAGMENT_KERNEL=1 timeout ${FRAG_CHECK_TIMEOUT:-240} python3 -m tqkv_compile.bench_kernels --check \
-        --presets ${FRAG_PRESETS:=turboquant_4bit_nc,tqkv_4bit_pc} --dims 128,256 > "$OUT/check-fragments.log" 2>&1
-    tail -3 "$OUT/check-fragments.log"
-    step "fragment kernel against the stream kernel: $FRAG_PRESETS at ${FRAG_CASES:=64x32768,1x32768,64x4096}"
-    timeout ${FRAG_TIMEOUT:-240} python3 -m tqkv_compile.bench_kernels --tune --presets $FRAG_PRESETS \
-        --cases $FRAG_CASES --out "$OUT/h200-fragments.json" \
-        --variants '[{}, {"kernel": "fragments"}, {}, {"kernel": "fragments"}]' > "$OUT/fragments.log" 2>&1
+    # the fragment kernel's loops (TQKV_FRAGMENT_PREFETCH 0: timed 2026-12-05; 1: block ids a tile ahead; 2: and
+    # the words, register double buffering): each checked against the reference, then all timed in one command
+    # (FRAG_CHECK_PREFETCH: the loops checked, default "1 2", 0 passed on 2026-12-05; "" skips the checks)
+    : ${FRAG_PRESETS:=turboquant_4bit_nc,tqkv_4bit_pc,turboquant_k8v4} ${FRAG_CASES:=64x32768,1x32768,64x4096}
+    for pf in ${FRAG_CHECK_PREFETCH-1 2}; do
+        step "fragment kernel, prefetch $pf: check against the reference (TQKV_FRAGMENT_KERNEL=1)"
+        TQKV_FRAGMENT_KERNEL=1 TQKV_FRAGMENT_PREFETCH=$pf timeout ${FRAG_CHECK_TIMEOUT:-240} \
+            python3 -m tqkv_compile.bench_kernels --check --presets $FRAG_PRESETS \
+            --dims 128,256 > "$OUT/check-fragments-$pf.log" 2>&1
+        tail -3 "$OUT/check-fragments-$pf.log"
+    done
+    variants=$(python3 -c "import json, sys
+one = [{}] + [{'kernel': 'fragments', 'prefetch': int(p)} for p in sys.argv[1].split()]
+print(json.dumps(one + one))" "${FRAG_PREFETCH:=0 1 2}")
+    step "fragment kernel against the stream kernel: $FRAG_PRESETS at $FRAG_CASES: $variants"
+    timeout ${FRAG_TIMEOUT:-300} python3 -m tqkv_compile.bench_kernels --tune --presets $FRAG_PRESETS \
+        --cases $FRAG_CASES --out "$OUT/h200-fragments.json" --variants "$variants" > "$OUT/fragments.log" 2>&1
     python3 -c "import json, sys
 for r in json.load(open(sys.argv[1]))[1:]: print(r['preset'], f\"{r['B']}x{r['L']}\", r.get('us', r.get('error', '')[:80]), r['variant'])" \
         "$OUT/h200-fragments.json" || tail -5 "$OUT/fragments.log"

@@ -115,12 +115,15 @@ def loop_sass(sass: str) -> dict:
         if target and int(target.group(1), 16) < address:
             backward.append((int(target.group(1), 16), address))
     if not backward:
-        return dict(loop_sass=None, loop_top=None, backward_branches=0, loop_opcodes=collections.Counter())
+        return dict(loop_sass=None, loop_top=None, backward_branches=0, loop_opcodes=collections.Counter(),
+                    loop_text="")
     best = max(backward, key=lambda span: span[1] - span[0])
     body = [op for address, op, _ in rows if best[0] <= address <= best[1] and not op.startswith("NOP")]
+    text = "\n".join(f"{address:05x} {op}{rest}" for address, op, rest in rows
+                     if best[0] <= address <= best[1] and not op.startswith("NOP"))
     top = collections.Counter(op.split(".")[0] for op in body).most_common(5)
     return dict(loop_sass=len(body), loop_top=",".join(f"{op}:{n}" for op, n in top),
-                backward_branches=len(backward), loop_opcodes=collections.Counter(body))
+                backward_branches=len(backward), loop_opcodes=collections.Counter(body), loop_text=text)
 
 
 def stream_kernel(preset_name: str, dim: int, block_n: int, warps: int, maxnreg: int | None, prefetch: bool,
@@ -162,7 +165,7 @@ def stream_kernel(preset_name: str, dim: int, block_n: int, warps: int, maxnreg:
     return stats(fn, signature, constexprs, warps, 1, maxnreg)
 
 
-def fragment_kernel(preset_name: str, dim: int, maxnreg: int | None) -> dict:
+def fragment_kernel(preset_name: str, dim: int, maxnreg: int | None, prefetch: int = 0) -> dict:
     """gluon_decode's fragment kernel (4-bit keys and values; heads 128 and 256) at the launcher's settings."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
@@ -172,12 +175,17 @@ def fragment_kernel(preset_name: str, dim: int, maxnreg: int | None) -> dict:
     constexprs = dict(GROUP=4, D=dim, BLOCK_SIZE=16, NUM_SPLITS=2, SEARCH_STEPS=7, KEY_FP8=p.key_fp8,
                       NORM_CORRECTION=p.norm_correction, KEY_CODE_BYTES=p.key_code_bytes, VALUE_OFFSET=p.key_bytes,
                       VALUE_CODE_BYTES=p.value_code_bytes, **g.layouts(dim))
+    if "PREFETCH" in g.fragment_kernel.arg_names:  # (trees from 2026-12-05 on)
+        constexprs.update(PREFETCH=prefetch)
+    elif prefetch:
+        raise SystemExit("this tree's fragment kernel has no PREFETCH")
     pointers = dict(q_ptr="*fp32", cache_ptr="*u8", block_table_ptr="*i32", seq_lens_ptr="*i32", qsl_ptr="*i32",
                     lut_ptr="*i32", key_order_ptr="*i32", value_order_ptr="*i32", part_out_ptr="*fp32",
                     part_lse_ptr="*fp32")
     fn = g.fragment_kernel
     signature = {n: "constexpr" if n in constexprs else pointers.get(n, "i32") for n in fn.arg_names}
-    return stats(fn, signature, constexprs, g.NUM_WARPS, 1, maxnreg or g.maxnreg(dim), source=GluonASTSource)
+    regs = maxnreg or (g.maxnreg(dim, prefetch) if prefetch else g.maxnreg(dim))
+    return stats(fn, signature, constexprs, g.NUM_WARPS, 1, regs, source=GluonASTSource)
 
 
 def main() -> int:
@@ -191,6 +199,8 @@ def main() -> int:
     parser.add_argument("--warps", type=int, default=4)
     parser.add_argument("--maxnreg", type=int, default=None, help="default: the launcher's (128; 168 above head 128)")
     parser.add_argument("--prefetch", action="store_true")
+    parser.add_argument("--fragment-prefetch", type=int, choices=(0, 1, 2), default=0,
+                        help="the fragment kernel's PREFETCH (1: block ids a tile ahead; 2: and the words)")
     parser.add_argument("--merge", action="store_true",
                         help="the splits merged in the launch (trees up to bd688d7, whose kernel had it)")
     parser.add_argument("--pdl", action="store_true", help="the dependent-launch waits in (TQKV_PDL=1)")
@@ -199,6 +209,7 @@ def main() -> int:
                         help="the query group's padded width, the dots' N side (the launcher's: 8 for groups up to 8; "
                              "triton 3.6 compiles N = 8 to mma.sync, 16 and up to wgmma)")
     parser.add_argument("--histogram", action="store_true", help="every opcode of the tile loop's SASS, counted")
+    parser.add_argument("--sass", help="append the tile loop's SASS to this file")
     parser.add_argument("--site", help="a site-packages read after this interpreter's own (see the module doc)")
     parser.add_argument("--tree", help="compile this checkout's kernels (see the module doc)")
     parser.add_argument("--query-in-kernel", choices=("auto", "yes", "no"), default="auto",
@@ -208,15 +219,19 @@ def main() -> int:
     for name in args.preset or ["turboquant_4bit_nc", "turboquant_k8v4"]:
         maxnreg = args.maxnreg or (128 if args.head_dim <= 128 else 168)
         if args.kernel == "fragments":
-            result = fragment_kernel(name, args.head_dim, args.maxnreg)
-            label = f"{name} D{args.head_dim} fragment kernel triton {triton.__version__}"
+            result = fragment_kernel(name, args.head_dim, args.maxnreg, args.fragment_prefetch)
+            label = (f"{name} D{args.head_dim} fragment kernel prefetch {args.fragment_prefetch} "
+                     f"triton {triton.__version__}")
         else:
             result = stream_kernel(name, args.head_dim, args.block_n, args.warps, maxnreg, args.prefetch,
                                    query_in_kernel={"auto": None, "yes": True, "no": False}[args.query_in_kernel],
                                    merge=args.merge, splits=args.splits, pdl=args.pdl, block_h=args.block_h)
             label = (f"{name} D{args.head_dim} BLOCK_N {args.block_n} warps {args.warps} maxnreg {maxnreg} "
                      f"prefetch {args.prefetch} triton {triton.__version__}")
-        opcodes = result.pop("loop_opcodes")
+        opcodes, text = result.pop("loop_opcodes"), result.pop("loop_text")
+        if args.sass:
+            with open(args.sass, "a") as f:
+                f.write(f"# {name} D{args.head_dim} {args.kernel}\n{text}\n")
         print(f"{label}: " + " ".join(f"{k}={v}" for k, v in result.items()), flush=True)
         if args.histogram:
             print("  loop: " + " ".join(f"{op}:{n}" for op, n in opcodes.most_common()), flush=True)

@@ -93,8 +93,26 @@ def enabled() -> bool:
     return mode() != "0"
 
 
-def maxnreg(dim: int) -> int:
-    """The register cap: 4 programs an SM at head 128 (123 registers, no spills with triton 3.6), 168 at 256."""
+PREFETCH_ENV = "TQKV_FRAGMENT_PREFETCH"
+
+
+def default_prefetch() -> int:
+    """The kernel's PREFETCH when the caller names none: ``TQKV_FRAGMENT_PREFETCH`` (0, 1 or 2), default 0, the
+    loop timed on the H200 (2026-12-05). 1 loads a tile's block ids a tile ahead, 2 also its words (register
+    double buffering); both are written for the next GPU session's A/B (bench/results/h200-kernels-notes.md) and
+    untimed."""
+    value = os.environ.get(PREFETCH_ENV, "0")
+    if value not in ("0", "1", "2"):
+        raise ValueError(f"{PREFETCH_ENV}={value!r}: expected 0, 1 or 2")
+    return int(value)
+
+
+def maxnreg(dim: int, prefetch: int = 0) -> int:
+    """The register cap: 4 programs an SM at head 128 (123 registers, no spills with triton 3.6), 168 at 256.
+    Words prefetched a tile ahead (``prefetch`` 2) hold ~40 registers more: 168 at head 128 (3 programs an SM),
+    255 at 256 (2)."""
+    if prefetch == 2:
+        return 168 if dim <= 128 else 255
     return 128 if dim <= 128 else 168
 
 
@@ -272,6 +290,14 @@ if gluon is not None:
             dtype=(gl.float16, gl.float16, gl.float16, gl.float16), is_pure=True, pack=2)
 
     @gluon.jit
+    def _word(halves):
+        """16-bit words zero-extended to int32, opaquely: a word the loop carries (``PREFETCH`` 2) would otherwise
+        cross the loop as i16 and be extended again (a LOP3 each) after it; here the load's own zero extension
+        stands."""
+        return gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [halves.to(gl.int32)], dtype=gl.int32,
+                                         is_pure=True, pack=1)
+
+    @gluon.jit
     def _lane_parity():
         return gl.inline_asm_elementwise(
             """{
@@ -280,19 +306,56 @@ if gluon is not None:
             }""", "=r,r", [gl.program_id(0)], dtype=gl.int32, is_pure=True, pack=1)
 
     @gluon.jit
-    def _slots(bt_row, s_bm, start, end, groups, within, h_blk, h_pos, BLOCK_SIZE: gl.constexpr):
-        """Slot offsets (2-byte units, before the kv head's) [4, 16] of the tile at ``start``: one block-id
-        load a group of 16 positions (0 past ``end``: block 0's slots, read and dropped)."""
+    def _block_ids(bt_row, s_bm, start, end, groups, BLOCK_SIZE: gl.constexpr):
+        """The block ids [4] of the tile at ``start``, one a group of 16 positions (0 past ``end``: block 0's
+        slots, read and dropped)."""
         first = start + 16 * groups
-        block = gl.load(bt_row + (first // BLOCK_SIZE) * s_bm, mask=first < end, other=0)
-        return block[:, None] * h_blk + ((first % BLOCK_SIZE)[:, None] + within[None, :]) * h_pos
+        return gl.load(bt_row + (first // BLOCK_SIZE) * s_bm, mask=first < end, other=0)
+
+    @gluon.jit
+    def _slots(block, start, groups, within, h_blk, h_pos, h_base, BLOCK: gl.constexpr, BLOCK_SIZE: gl.constexpr):
+        """Slot offsets [64] (2-byte units, the kv head's ``h_base`` added) of the tile at ``start`` from its
+        :func:`_block_ids`; laid out as [4 groups, 16] (the key rows' or the value positions' layout)."""
+        first = start + 16 * groups
+        slots = block[:, None] * h_blk + ((first % BLOCK_SIZE)[:, None] + within[None, :]) * h_pos
+        return gl.reshape(slots, [BLOCK]) + h_base
+
+    @gluon.jit
+    def _tile_loads(hptr, wptr, fptr, kb, vb, start, end, kg, kp, vgr, vp, km, vm, sn, h_blk, h_pos, h_base,
+                    KEY_FP8: gl.constexpr, KEY_CODE_BYTES: gl.constexpr, VALUE_OFFSET: gl.constexpr,
+                    VALUE_CODE_BYTES: gl.constexpr, BLOCK: gl.constexpr, BLOCK_SIZE: gl.constexpr,
+                    KEY_WORDS: gl.constexpr, VALUE_WORDS: gl.constexpr, ROWS: gl.constexpr):
+        """Everything the tile at ``start`` reads from the cache, given its block ids (``kb``, ``vb``: the key
+        rows' and the value positions' copies): the key words, the value words, and a position's key norm,
+        value scale and value zero (fp32; 0 past ``end``; fp8 keys have no norm: zeros, never read)."""
+        kslot = _slots(kb, start, kg, kp, h_blk, h_pos, h_base, BLOCK, BLOCK_SIZE)
+        kslot = gl.convert_layout(kslot, gl.SliceLayout(1, KEY_WORDS), assert_trivial=True)
+        # not masked: past the end a position reads a slot of block 0, inside the cache, and is dropped
+        if KEY_FP8:  # 32-bit words of four codes (4-byte aligned slots: supports())
+            kw = gl.load(wptr + (kslot >> 1)[:, None] + km[None, :])
+        else:  # 16-bit words of four codes
+            kw = _word(gl.load(hptr + kslot[:, None] + km[None, :]))
+        vslot = _slots(vb, start, vgr, vp, h_blk, h_pos, h_base, BLOCK, BLOCK_SIZE)
+        vslot = gl.convert_layout(vslot, gl.SliceLayout(1, VALUE_WORDS), assert_trivial=True)
+        vw = _word(gl.load(hptr + vslot[:, None] + (VALUE_OFFSET // 2 + vm)[None, :]))
+        valid = start + sn < end
+        sslot = gl.convert_layout(kslot, ROWS, assert_trivial=True)  # the score rows are the key rows
+        if KEY_FP8:
+            knorm = gl.zeros([BLOCK], gl.float32, layout=ROWS)
+        else:
+            knorm = gl.load(fptr + sslot + KEY_CODE_BYTES // 2, mask=valid, other=0.0).to(gl.float32)
+        vscale = gl.load(fptr + sslot + (VALUE_OFFSET + VALUE_CODE_BYTES) // 2, mask=valid,
+                         other=0.0).to(gl.float32)
+        vzero = gl.load(fptr + sslot + (VALUE_OFFSET + VALUE_CODE_BYTES + 2) // 2, mask=valid,
+                        other=0.0).to(gl.float32)
+        return kw, vw, knorm, vscale, vzero
 
     @gluon.jit
     def fragment_kernel(q_ptr, cache_ptr, block_table_ptr, seq_lens_ptr, qsl_ptr, lut_ptr, key_order_ptr,
                         value_order_ptr, part_out_ptr, part_lse_ptr, num_seqs, max_len, s_qt, s_qh, s_bt, s_bm, h_blk, h_pos, h_head,
                         GROUP: gl.constexpr, D: gl.constexpr, BLOCK_SIZE: gl.constexpr,
                         NUM_SPLITS: gl.constexpr, SEARCH_STEPS: gl.constexpr, KEY_FP8: gl.constexpr,
-                        NORM_CORRECTION: gl.constexpr,
+                        NORM_CORRECTION: gl.constexpr, PREFETCH: gl.constexpr,
                         KEY_CODE_BYTES: gl.constexpr, VALUE_OFFSET: gl.constexpr, VALUE_CODE_BYTES: gl.constexpr,
                         MMA: gl.constexpr, A_OP: gl.constexpr, B_OP: gl.constexpr, KEY_WORDS: gl.constexpr,
                         VALUE_WORDS: gl.constexpr, KEY_SLOTS: gl.constexpr, VALUE_SLOTS: gl.constexpr):
@@ -371,25 +434,39 @@ if gluon is not None:
         km = gl.arange(0, D // 4, layout=gl.SliceLayout(0, KEY_WORDS))
         vm = gl.arange(0, D // 4, layout=gl.SliceLayout(0, VALUE_WORDS))
         sn = gl.arange(0, BLOCK, layout=ROWS)
+        # PREFETCH 0: a tile's block ids, then its words, then its math (two memory round trips a tile in a row);
+        # 1: the block ids a tile ahead; 2: the block ids two tiles ahead and the words one tile ahead (register
+        # double buffering: the next tile's loads are in flight during this tile's math)
+        if PREFETCH >= 1:
+            kb = _block_ids(bt_row, s_bm, begin, end, kg, BLOCK_SIZE)
+            vb = _block_ids(bt_row, s_bm, begin, end, vgr, BLOCK_SIZE)
+        if PREFETCH == 2:
+            kw, vw, knorm, vscale, vzero = _tile_loads(
+                hptr, wptr, fptr, kb, vb, begin, end, kg, kp, vgr, vp, km, vm, sn, h_blk, h_pos, head_base,
+                KEY_FP8, KEY_CODE_BYTES, VALUE_OFFSET, VALUE_CODE_BYTES, BLOCK, BLOCK_SIZE, KEY_WORDS, VALUE_WORDS,
+                ROWS)
+            kb = _block_ids(bt_row, s_bm, begin + BLOCK, end, kg, BLOCK_SIZE)
+            vb = _block_ids(bt_row, s_bm, begin + BLOCK, end, vgr, BLOCK_SIZE)
         for start in range(begin, end, BLOCK):
-            kslot = gl.reshape(_slots(bt_row, s_bm, start, end, kg, kp, h_blk, h_pos, BLOCK_SIZE), [BLOCK]) + head_base
-            kslot = gl.convert_layout(kslot, gl.SliceLayout(1, KEY_WORDS), assert_trivial=True)
-            # not masked: past the end a position reads a slot of block 0, inside the cache, and is dropped
-            if KEY_FP8:  # 32-bit words of four codes (4-byte aligned slots: supports())
-                kw = gl.load(wptr + (kslot >> 1)[:, None] + km[None, :])
-            else:  # 16-bit words of four codes
-                kw = gl.load(hptr + kslot[:, None] + km[None, :]).to(gl.int32)
-            vslot = gl.reshape(_slots(bt_row, s_bm, start, end, vgr, vp, h_blk, h_pos, BLOCK_SIZE), [BLOCK]) + head_base
-            vslot = gl.convert_layout(vslot, gl.SliceLayout(1, VALUE_WORDS), assert_trivial=True)
-            vw = gl.load(hptr + vslot[:, None] + (VALUE_OFFSET // 2 + vm)[None, :]).to(gl.int32)
+            if PREFETCH == 2:
+                kb_next = _block_ids(bt_row, s_bm, start + 2 * BLOCK, end, kg, BLOCK_SIZE)
+                vb_next = _block_ids(bt_row, s_bm, start + 2 * BLOCK, end, vgr, BLOCK_SIZE)
+                kw_next, vw_next, knorm_next, vscale_next, vzero_next = _tile_loads(
+                    hptr, wptr, fptr, kb, vb, start + BLOCK, end, kg, kp, vgr, vp, km, vm, sn, h_blk, h_pos,
+                    head_base, KEY_FP8, KEY_CODE_BYTES, VALUE_OFFSET, VALUE_CODE_BYTES, BLOCK, BLOCK_SIZE, KEY_WORDS,
+                    VALUE_WORDS, ROWS)
+            else:
+                if PREFETCH == 1:
+                    kb_next = _block_ids(bt_row, s_bm, start + BLOCK, end, kg, BLOCK_SIZE)
+                    vb_next = _block_ids(bt_row, s_bm, start + BLOCK, end, vgr, BLOCK_SIZE)
+                else:
+                    kb = _block_ids(bt_row, s_bm, start, end, kg, BLOCK_SIZE)
+                    vb = _block_ids(bt_row, s_bm, start, end, vgr, BLOCK_SIZE)
+                kw, vw, knorm, vscale, vzero = _tile_loads(
+                    hptr, wptr, fptr, kb, vb, start, end, kg, kp, vgr, vp, km, vm, sn, h_blk, h_pos, head_base,
+                    KEY_FP8, KEY_CODE_BYTES, VALUE_OFFSET, VALUE_CODE_BYTES, BLOCK, BLOCK_SIZE, KEY_WORDS,
+                    VALUE_WORDS, ROWS)
             valid = start + sn < end
-            sslot = gl.convert_layout(kslot, ROWS, assert_trivial=True)  # the score rows are the key rows
-            if not KEY_FP8:
-                knorm = gl.load(fptr + sslot + KEY_CODE_BYTES // 2, mask=valid, other=0.0).to(gl.float32)
-            vscale = gl.load(fptr + sslot + (VALUE_OFFSET + VALUE_CODE_BYTES) // 2, mask=valid,
-                             other=0.0).to(gl.float32)
-            vzero = gl.load(fptr + sslot + (VALUE_OFFSET + VALUE_CODE_BYTES + 2) // 2, mask=valid,
-                            other=0.0).to(gl.float32)
 
             # ---- keys: scores^T [64, 8] = K . q^T
             if KEY_FP8:
@@ -422,6 +499,10 @@ if gluon is not None:
             y = gl.reshape(gl.permute(y, (3, 5, 1, 4, 2, 0)), [D, BLOCK])  # [j, i // 2, w, r1, l // 4, pos]
             values = gl.convert_layout(y, A_OP, assert_trivial=True)
             acc = mma_v2(values, gl.convert_layout(ps, B_OP), acc * alpha[None, :])
+            if PREFETCH == 2:
+                kw, vw, knorm, vscale, vzero = kw_next, vw_next, knorm_next, vscale_next, vzero_next
+            if PREFETCH >= 1:
+                kb, vb = kb_next, vb_next
 
         l_i = gl.sum(l_acc, axis=0)
         inv = 1.0 / l_i
@@ -436,9 +517,14 @@ if gluon is not None:
 
 def launch(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
            query_start_loc: torch.Tensor, part_out: torch.Tensor, part_lse: torch.Tensor, preset: Preset,
-           group: int, splits: int, search_steps: int) -> None:
+           group: int, splits: int, search_steps: int, prefetch: int | None = None, regs: int | None = None) -> None:
     """Fill ``part_out`` / ``part_lse`` (the stream kernel's partials) from ``q`` (prepare_query's query, fp32
-    [T, Hq, D], its last stride 1)."""
+    [T, Hq, D], its last stride 1). ``prefetch``: the kernel's PREFETCH (0 none, 1 block ids a tile ahead, 2 also
+    the words; default :func:`default_prefetch`); ``regs``: the register cap (default :func:`maxnreg`)."""
+    if prefetch is None:
+        prefetch = default_prefetch()
+    if prefetch not in (0, 1, 2):
+        raise ValueError(f"prefetch: expected 0, 1 or 2, got {prefetch!r}")
     rows, kv_heads = q.shape[0], kv_cache.shape[2]
     max_len = block_table.shape[1] * kv_cache.shape[1]
     fragment_kernel[(rows, kv_heads, splits)](
@@ -448,5 +534,5 @@ def launch(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, s
         *(st // 2 for st in kv_cache.stride()[:3]),
         GROUP=group, D=preset.head_dim, BLOCK_SIZE=kv_cache.shape[1], NUM_SPLITS=splits, SEARCH_STEPS=search_steps,
         KEY_FP8=preset.key_fp8, NORM_CORRECTION=preset.norm_correction, KEY_CODE_BYTES=preset.key_code_bytes, VALUE_OFFSET=preset.key_bytes,
-        VALUE_CODE_BYTES=preset.value_code_bytes, **layouts(preset.head_dim),
-        num_warps=NUM_WARPS, maxnreg=maxnreg(preset.head_dim))
+        VALUE_CODE_BYTES=preset.value_code_bytes, PREFETCH=prefetch, **layouts(preset.head_dim),
+        num_warps=NUM_WARPS, maxnreg=regs or maxnreg(preset.head_dim, prefetch))

@@ -961,7 +961,7 @@ def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: t
                      rotation: torch.Tensor, centroids: torch.Tensor, *, splits: int | None = None,
                      block_n: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
                      kernel: str | None = None,
-                     prefetch: bool = False, asm: bool = True,
+                     prefetch: int | None = None, asm: bool = True,
                      maxnreg: int | None = None, lut: torch.Tensor | None = None,
                      index32: bool | None = None, signs: torch.Tensor | None = None,
                      query_in_kernel: bool | None = None, launch=None,
@@ -976,7 +976,9 @@ def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: t
     queries and interpreted; False: a :func:`prepare_query` launch first). ``launch``: wraps
     each kernel before its launch (``torch.library.wrap_triton`` when traced for Inductor, see
     :mod:`tqkv_compile.lowerings.inductor_ops`). ``out``: where the merge stores the answer (the query's shape
-    and dtype, any strides; default a new tensor)."""
+    and dtype, any strides; default a new tensor). ``prefetch``: the stream kernel's hand prefetch (a bool,
+    default off) or the fragment kernel's PREFETCH (0, 1 or 2, default :func:`gluon_decode.default_prefetch`).
+    ``maxnreg``: the register cap (default: the measured one for the kernel and ``prefetch``)."""
     require_vllm_layout(preset)
     if launch is None:
         launch = _plain_launch
@@ -1006,7 +1008,8 @@ def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: t
         raise ValueError(f"kernel: expected 'stream', 'bytes' or 'fragments', got {kernel!r}")
     if kernel == "fragments":
         block_n, num_warps = gluon_decode.BLOCK_N, gluon_decode.NUM_WARPS
-        maxnreg = gluon_decode.maxnreg(dim)
+        prefetch = gluon_decode.default_prefetch() if prefetch is None else int(prefetch)
+        maxnreg = maxnreg or gluon_decode.maxnreg(dim, prefetch)
     if block_n is None:  # the H200 sweeps' best (bench/results/h200-kernels-notes.md)
         block_n = 16 if interpret else (32 if kernel == "bytes" else 64)
         # fp8 keys: 128-position tiles where they still fill the GPU twice (H200: 4-11% faster from 64x4096 up,
@@ -1056,7 +1059,7 @@ def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: t
             NUM_SPLITS=splits, SEARCH_STEPS=common["SEARCH_STEPS"], KEY_FP8=preset.key_fp8,
             KEY_BITS=preset.key_bits, KEY_CODE_BYTES=preset.key_code_bytes, NORM_CORRECTION=preset.norm_correction,
             VALUE_BITS=preset.value_bits, VALUE_OFFSET=preset.key_bytes, VALUE_CODE_BYTES=preset.value_code_bytes, DOT_FP32=interpret,
-            KEY_WORD=words[0], VALUE_WORD=words[1], ASM=words[2], PREFETCH=prefetch,
+            KEY_WORD=words[0], VALUE_WORD=words[1], ASM=words[2], PREFETCH=bool(prefetch),
             INDEX32=index32 is not False and _halves_span(kv_cache) < 2**31,
             QUERY_IN_KERNEL=query_in_kernel, ROTATE_QUERY=rotate and query_in_kernel,
             Q_PRE=q_pre if query_in_kernel else 1.0, Q_POST=q_scale / q_pre if query_in_kernel else 1.0,
@@ -1067,7 +1070,7 @@ def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: t
     elif kernel == "fragments":
         q = prepare_query(query, None if preset.key_fp8 else rotation, scale * LOG2E)
         gluon_decode.launch(q, kv_cache, block_table, seq_lens, query_start_loc, part_out, part_lse, preset, group,
-                            splits, common["SEARCH_STEPS"])
+                            splits, common["SEARCH_STEPS"], prefetch, maxnreg)
     elif kernel == "bytes":
         q = prepare_query(query, None if preset.key_fp8 else rotation, scale * LOG2E, _traced(launch))
         launch(_decode_split_kernel)[(rows, kv_heads, splits)](
