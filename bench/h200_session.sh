@@ -26,6 +26,8 @@
 #                                                "0 1 2"): checked against the reference (heads 128 / 256), then
 #                                                all timed against the stream kernel in one command (FRAG_CASES,
 #                                                FRAG_PRESETS)
+#   bash bench/h200_session.sh profile           ncu (full set, text) of the fragment kernel at PROFILE_CASE (64x32768)
+#                                                for PROFILE_PRESETS x PROFILE_PREFETCH (4bit_nc, k8v4 x 0 2)
 #   bash bench/h200_session.sh install           only the install (above every stage), e.g. before a command's own steps
 #   bash bench/h200_session.sh diagnose          why an eager tqkv run did not finish (h200-vllm020-notes.md)
 #   bash bench/h200_session.sh fa2               vLLM's FA2 first-launch times (driver JIT from sm_80 PTX on
@@ -191,6 +193,23 @@ print(json.dumps(one + one))" "${FRAG_PREFETCH:=0 1 2}")
     python3 -c "import json, sys
 for r in json.load(open(sys.argv[1]))[1:]: print(r['preset'], f\"{r['B']}x{r['L']}\", r.get('us', r.get('error', '')[:80]), r['variant'])" \
         "$OUT/h200-fragments.json" || tail -5 "$OUT/fragments.log"
+    ;;
+profile)
+    # Nsight Compute on the fragment kernel (what holds it at 1.4 TB/s: latency, the L1's wavefronts from its
+    # 2-byte loads of 8 rows at once, or issue): one launch a (preset, prefetch), the full set, as text
+    NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+    [ -n "$NCU" ] || { echo "no ncu on this machine" >&2; exit 2; }
+    for preset in $(echo ${PROFILE_PRESETS:-turboquant_4bit_nc,turboquant_k8v4} | tr , ' '); do
+        for pf in ${PROFILE_PREFETCH:-0 2}; do
+            step "ncu: $preset ${PROFILE_CASE:=64x32768} fragment kernel prefetch $pf"
+            timeout ${PROFILE_TIMEOUT:-150} "$NCU" --kernel-name regex:fragment_kernel --launch-skip 2 --launch-count 1 \
+                --set full --import-source no --print-units base \
+                python3 bench/profile_decode.py --preset $preset --case $PROFILE_CASE \
+                --variant "{\"kernel\": \"fragments\", \"prefetch\": $pf}" > "$OUT/ncu-$preset-p$pf.txt" 2>&1
+            grep -E "Duration|DRAM Throughput|Memory Throughput|L1/TEX Hit|Registers Per|Achieved Occupancy|Issue Slots Busy|Warp Cycles Per Issued|Stall|uncoalesced|excessive" \
+                "$OUT/ncu-$preset-p$pf.txt" | head -20
+        done
+    done
     ;;
 variants)
     # A/B of kernel changes in one run: each .variants/NN-NAME/ (bench/make_variants.sh, carried) is one commit's
