@@ -22,10 +22,10 @@
 #   bash bench/h200_session.sh variants          decode kernels (4bit_nc, k8v4; VARIANT_PRESETS / VARIANT_CASES) and
 #                                                kv_write of each .variants/ tree (bench/make_variants.sh), beside
 #                                                FA3 and vLLM's, in one run: $OUT/h200-variants.json, $OUT/variants.log
-#   bash bench/h200_session.sh fragments         gluon_decode's fragment kernel at each FRAG_PREFETCH (default
-#                                                "0 1 2"): checked against the reference (heads 128 / 256), then
+#   bash bench/h200_session.sh fragments         gluon_decode's fragment kernel's loops (FRAG_LOOPS, PREFETCH:STAGE
+#                                                pairs): checked against the reference (heads 128 / 256), then
 #                                                all timed against the stream kernel in one command (FRAG_CASES,
-#                                                FRAG_PRESETS)
+#                                                FRAG_PRESETS, FRAG_CHECK_LOOPS)
 #   bash bench/h200_session.sh profile           ncu (full set, text) of the fragment kernel at PROFILE_CASE (64x32768)
 #                                                for PROFILE_PRESETS x PROFILE_PREFETCH (4bit_nc, k8v4 x 0 2)
 #   bash bench/h200_session.sh install           only the install (above every stage), e.g. before a command's own steps
@@ -173,26 +173,31 @@ for r in json.load(open(sys.argv[1]))[1:]: print(r['preset'], f\"{r['B']}x{r['L'
         "$OUT/h200-tune.json" || tail -5 "$OUT/tune.log"
     ;;
 fragments)
-    # the fragment kernel's loops (TQKV_FRAGMENT_PREFETCH 0: timed 2026-12-05; 1: block ids a tile ahead; 2: and
-    # the words, register double buffering): each checked against the reference, then all timed in one command
-    # (FRAG_CHECK_PREFETCH: the loops checked, default "1 2", 0 passed on 2026-12-05; "" skips the checks)
-    : ${FRAG_PRESETS:=turboquant_4bit_nc,tqkv_4bit_pc,turboquant_k8v4} ${FRAG_CASES:=64x32768,1x32768,64x4096}
-    for pf in ${FRAG_CHECK_PREFETCH-1 2}; do
-        step "fragment kernel, prefetch $pf: check against the reference (TQKV_FRAGMENT_KERNEL=1)"
-        TQKV_FRAGMENT_KERNEL=1 TQKV_FRAGMENT_PREFETCH=$pf timeout ${FRAG_CHECK_TIMEOUT:-240} \
-            python3 -m tqkv_compile.bench_kernels --check --presets $FRAG_PRESETS \
-            --dims 128,256 > "$OUT/check-fragments-$pf.log" 2>&1
-        tail -3 "$OUT/check-fragments-$pf.log"
+    # the fragment kernel's loops, PREFETCH:STAGE (0:0 timed 2026-12-05; PREFETCH 1: block ids a tile ahead, 2: and
+    # the words, register double buffering; STAGE 1 / 2: a warp loads a position's words in one run, moved into
+    # the fragments' layout through shared memory as 16- / 32-bit words): each checked against the reference,
+    # then all timed against the stream kernel in one command. FRAG_CHECK_LOOPS="" skips the checks,
+    # FRAG_LOOPS="" the timing (to split them over two calls of 10 minutes)
+    : ${FRAG_PRESETS:=turboquant_4bit_nc,turboquant_k8v4} ${FRAG_CASES:=64x32768,1x32768,64x4096}
+    for loop in ${FRAG_CHECK_LOOPS-2:0 0:2 2:2 0:1}; do
+        step "fragment kernel, prefetch:stage $loop: check against the reference (TQKV_FRAGMENT_KERNEL=1)"
+        TQKV_FRAGMENT_KERNEL=1 TQKV_FRAGMENT_PREFETCH=${loop%:*} TQKV_FRAGMENT_STAGE=${loop#*:} \
+            timeout ${FRAG_CHECK_TIMEOUT:-240} python3 -m tqkv_compile.bench_kernels --check --presets $FRAG_PRESETS \
+            --dims 128,256 > "$OUT/check-fragments-${loop/:/-}.log" 2>&1
+        tail -3 "$OUT/check-fragments-${loop/:/-}.log"
     done
-    variants=$(python3 -c "import json, sys
-one = [{}] + [{'kernel': 'fragments', 'prefetch': int(p)} for p in sys.argv[1].split()]
-print(json.dumps(one + one))" "${FRAG_PREFETCH:=0 1 2}")
-    step "fragment kernel against the stream kernel: $FRAG_PRESETS at $FRAG_CASES: $variants"
-    timeout ${FRAG_TIMEOUT:-300} python3 -m tqkv_compile.bench_kernels --tune --presets $FRAG_PRESETS \
-        --cases $FRAG_CASES --out "$OUT/h200-fragments.json" --variants "$variants" > "$OUT/fragments.log" 2>&1
-    python3 -c "import json, sys
+    if [ -n "${FRAG_LOOPS-x}" ]; then
+        variants=$(python3 -c "import json, sys
+one = [{}] + [{'kernel': 'fragments', 'prefetch': int(l.split(':')[0]), 'stage': int(l.split(':')[1])}
+              for l in sys.argv[1].split()]
+print(json.dumps(one + one))" "${FRAG_LOOPS:=0:0 2:0 0:2 2:2 0:1}")
+        step "fragment kernel against the stream kernel: $FRAG_PRESETS at $FRAG_CASES: $variants"
+        timeout ${FRAG_TIMEOUT:-420} python3 -m tqkv_compile.bench_kernels --tune --presets $FRAG_PRESETS \
+            --cases $FRAG_CASES --out "$OUT/h200-fragments.json" --variants "$variants" > "$OUT/fragments.log" 2>&1
+        python3 -c "import json, sys
 for r in json.load(open(sys.argv[1]))[1:]: print(r['preset'], f\"{r['B']}x{r['L']}\", r.get('us', r.get('error', '')[:80]), r['variant'])" \
-        "$OUT/h200-fragments.json" || tail -5 "$OUT/fragments.log"
+            "$OUT/h200-fragments.json" || tail -5 "$OUT/fragments.log"
+    fi
     ;;
 profile)
     # Nsight Compute on the fragment kernel (what holds it at 1.4 TB/s: latency, the L1's wavefronts from its
@@ -201,13 +206,14 @@ profile)
     [ -n "$NCU" ] || { echo "no ncu on this machine" >&2; exit 2; }
     for preset in $(echo ${PROFILE_PRESETS:-turboquant_4bit_nc,turboquant_k8v4} | tr , ' '); do
         for pf in ${PROFILE_PREFETCH:-0 2}; do
-            step "ncu: $preset ${PROFILE_CASE:=64x32768} fragment kernel prefetch $pf"
+            step "ncu: $preset ${PROFILE_CASE:=64x32768} fragment kernel prefetch $pf stage ${PROFILE_STAGE:=0}"
             timeout ${PROFILE_TIMEOUT:-150} "$NCU" --kernel-name regex:fragment_kernel --launch-skip 2 --launch-count 1 \
                 --set full --import-source no --print-units base \
                 python3 bench/profile_decode.py --preset $preset --case $PROFILE_CASE \
-                --variant "{\"kernel\": \"fragments\", \"prefetch\": $pf}" > "$OUT/ncu-$preset-p$pf.txt" 2>&1
+                --variant "{\"kernel\": \"fragments\", \"prefetch\": $pf, \"stage\": $PROFILE_STAGE}" \
+                > "$OUT/ncu-$preset-p$pf-s$PROFILE_STAGE.txt" 2>&1
             grep -E "Duration|DRAM Throughput|Memory Throughput|L1/TEX Hit|Registers Per|Achieved Occupancy|Issue Slots Busy|Warp Cycles Per Issued|Stall|uncoalesced|excessive" \
-                "$OUT/ncu-$preset-p$pf.txt" | head -20
+                "$OUT/ncu-$preset-p$pf-s$PROFILE_STAGE.txt" | head -20
         done
     done
     ;;

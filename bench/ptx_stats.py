@@ -165,7 +165,7 @@ def stream_kernel(preset_name: str, dim: int, block_n: int, warps: int, maxnreg:
     return stats(fn, signature, constexprs, warps, 1, maxnreg)
 
 
-def fragment_kernel(preset_name: str, dim: int, maxnreg: int | None, prefetch: int = 0) -> dict:
+def fragment_kernel(preset_name: str, dim: int, maxnreg: int | None, prefetch: int = 0, stage: int = 0) -> dict:
     """gluon_decode's fragment kernel (4-bit keys and values; heads 128 and 256) at the launcher's settings."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
@@ -174,11 +174,16 @@ def fragment_kernel(preset_name: str, dim: int, maxnreg: int | None, prefetch: i
     p = tqkv_compile.get_preset(preset_name, dim)
     constexprs = dict(GROUP=4, D=dim, BLOCK_SIZE=16, NUM_SPLITS=2, SEARCH_STEPS=7, KEY_FP8=p.key_fp8,
                       NORM_CORRECTION=p.norm_correction, KEY_CODE_BYTES=p.key_code_bytes, VALUE_OFFSET=p.key_bytes,
-                      VALUE_CODE_BYTES=p.value_code_bytes, **g.layouts(dim))
+                      VALUE_CODE_BYTES=p.value_code_bytes,
+                      **{k: v for k, v in g.layouts(dim).items() if k in g.fragment_kernel.arg_names})
     if "PREFETCH" in g.fragment_kernel.arg_names:  # (trees from 2026-12-05 on)
         constexprs.update(PREFETCH=prefetch)
     elif prefetch:
         raise SystemExit("this tree's fragment kernel has no PREFETCH")
+    if "STAGE" in g.fragment_kernel.arg_names:
+        constexprs.update(STAGE=stage)
+    elif stage:
+        raise SystemExit("this tree's fragment kernel has no STAGE")
     pointers = dict(q_ptr="*fp32", cache_ptr="*u8", block_table_ptr="*i32", seq_lens_ptr="*i32", qsl_ptr="*i32",
                     lut_ptr="*i32", key_order_ptr="*i32", value_order_ptr="*i32", part_out_ptr="*fp32",
                     part_lse_ptr="*fp32")
@@ -210,6 +215,9 @@ def main() -> int:
                              "triton 3.6 compiles N = 8 to mma.sync, 16 and up to wgmma)")
     parser.add_argument("--histogram", action="store_true", help="every opcode of the tile loop's SASS, counted")
     parser.add_argument("--sass", help="append the tile loop's SASS to this file")
+    parser.add_argument("--fragment-stage", type=int, choices=(0, 1, 2), default=0,
+                        help="the fragment kernel's STAGE (1 / 2: words loaded a position a warp, moved through "
+                             "shared memory as 16- / 32-bit words)")
     parser.add_argument("--site", help="a site-packages read after this interpreter's own (see the module doc)")
     parser.add_argument("--tree", help="compile this checkout's kernels (see the module doc)")
     parser.add_argument("--query-in-kernel", choices=("auto", "yes", "no"), default="auto",
@@ -219,8 +227,9 @@ def main() -> int:
     for name in args.preset or ["turboquant_4bit_nc", "turboquant_k8v4"]:
         maxnreg = args.maxnreg or (128 if args.head_dim <= 128 else 168)
         if args.kernel == "fragments":
-            result = fragment_kernel(name, args.head_dim, args.maxnreg, args.fragment_prefetch)
+            result = fragment_kernel(name, args.head_dim, args.maxnreg, args.fragment_prefetch, args.fragment_stage)
             label = (f"{name} D{args.head_dim} fragment kernel prefetch {args.fragment_prefetch} "
+                     f"stage {args.fragment_stage} "
                      f"triton {triton.__version__}")
         else:
             result = stream_kernel(name, args.head_dim, args.block_n, args.warps, maxnreg, args.prefetch,

@@ -107,6 +107,23 @@ def default_prefetch() -> int:
     return int(value)
 
 
+STAGE_ENV = "TQKV_FRAGMENT_STAGE"
+
+
+def default_stage() -> int:
+    """The kernel's STAGE when the caller names none: ``TQKV_FRAGMENT_STAGE`` (0, 1 or 2), default 0, the loads
+    timed on the H200 (2026-12-05): each thread loads its fragments' words itself, so a warp's load instruction
+    reads 8 bytes of each of 8 positions (8-11 cache lines: the L1 serves one a cycle). 1 loads each position's
+    words as one contiguous run of a warp (1-2 lines an instruction) and moves them into the fragments' layout
+    through shared memory, as 16-bit words (2: extended to 32 bits first: 16 KB of shared memory traffic a tile
+    against 8, but ~35 fewer instructions packing and unpacking). Written for the next GPU session's A/B;
+    untimed."""
+    value = os.environ.get(STAGE_ENV, "0")
+    if value not in ("0", "1", "2"):
+        raise ValueError(f"{STAGE_ENV}={value!r}: expected 0, 1 or 2")
+    return int(value)
+
+
 def maxnreg(dim: int, prefetch: int = 0) -> int:
     """The register cap: 4 programs an SM at head 128 (123 registers, no spills with triton 3.6), 168 at 256.
     Words prefetched a tile ahead (``prefetch`` 2) hold ~40 registers more: 168 at head 128 (3 programs an SM),
@@ -173,7 +190,10 @@ def layouts(dim: int) -> dict:
     value_slots = gl.DistributedLinearLayout(
         reg_bases=[[0, 1], [0, 8], [1, 0], [2, 0]], lane_bases=[[0, 2], [0, 4], [0, 0], [0, 0], [0, 0]],
         warp_bases=[[0, 0], [0, 0]], block_bases=[], shape=[4, 16])
-    return dict(MMA=mma, A_OP=gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2),
+    # words [64, D / 4] as a warp's load instruction reads them best: consecutive words of one position
+    row_words = gl.BlockedLayout(size_per_thread=[1, 1], threads_per_warp=[1, 32], warps_per_cta=[NUM_WARPS, 1],
+                                 order=[1, 0])
+    return dict(ROW_WORDS=row_words, MMA=mma, A_OP=gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2),
                 B_OP=gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2),
                 KEY_WORDS=key_words, VALUE_WORDS=value_words, KEY_SLOTS=key_slots, VALUE_SLOTS=value_slots)
 
@@ -324,20 +344,40 @@ if gluon is not None:
     def _tile_loads(hptr, wptr, fptr, kb, vb, start, end, kg, kp, vgr, vp, km, vm, sn, h_blk, h_pos, h_base,
                     KEY_FP8: gl.constexpr, KEY_CODE_BYTES: gl.constexpr, VALUE_OFFSET: gl.constexpr,
                     VALUE_CODE_BYTES: gl.constexpr, BLOCK: gl.constexpr, BLOCK_SIZE: gl.constexpr,
-                    KEY_WORDS: gl.constexpr, VALUE_WORDS: gl.constexpr, ROWS: gl.constexpr):
+                    KEY_WORDS: gl.constexpr, VALUE_WORDS: gl.constexpr, ROWS: gl.constexpr, STAGE: gl.constexpr,
+                    ROW_WORDS: gl.constexpr):
         """Everything the tile at ``start`` reads from the cache, given its block ids (``kb``, ``vb``: the key
         rows' and the value positions' copies): the key words, the value words, and a position's key norm,
-        value scale and value zero (fp32; 0 past ``end``; fp8 keys have no norm: zeros, never read)."""
-        kslot = _slots(kb, start, kg, kp, h_blk, h_pos, h_base, BLOCK, BLOCK_SIZE)
-        kslot = gl.convert_layout(kslot, gl.SliceLayout(1, KEY_WORDS), assert_trivial=True)
-        # not masked: past the end a position reads a slot of block 0, inside the cache, and is dropped
-        if KEY_FP8:  # 32-bit words of four codes (4-byte aligned slots: supports())
-            kw = gl.load(wptr + (kslot >> 1)[:, None] + km[None, :])
-        else:  # 16-bit words of four codes
-            kw = _word(gl.load(hptr + kslot[:, None] + km[None, :]))
-        vslot = _slots(vb, start, vgr, vp, h_blk, h_pos, h_base, BLOCK, BLOCK_SIZE)
-        vslot = gl.convert_layout(vslot, gl.SliceLayout(1, VALUE_WORDS), assert_trivial=True)
-        vw = _word(gl.load(hptr + vslot[:, None] + (VALUE_OFFSET // 2 + vm)[None, :]))
+        value scale and value zero (fp32; 0 past ``end``; fp8 keys have no norm: zeros, never read).
+        ``STAGE`` 0: the words as the fragments hold them (``KEY_WORDS`` / ``VALUE_WORDS``: a load instruction
+        of a warp reads 8 bytes of each of 8 positions); 1 and 2: as ``ROW_WORDS`` (a warp's instruction reads
+        consecutive words of one position), 16-bit (1) or extended to 32 (2), for the kernel to move into the
+        fragments' layout."""
+        if STAGE >= 1:  # one slot offset a position, laid out along the rows of ROW_WORDS
+            kslot = _slots(kb, start, kg, kp, h_blk, h_pos, h_base, BLOCK, BLOCK_SIZE)
+            rslot = gl.convert_layout(kslot, gl.SliceLayout(1, ROW_WORDS))
+            rm = gl.arange(0, km.shape[0], layout=gl.SliceLayout(0, ROW_WORDS))
+            if KEY_FP8:
+                kw = gl.load(wptr + (rslot >> 1)[:, None] + rm[None, :])
+            elif STAGE == 1:  # (16-bit: half the shared memory traffic of the move; extended after it)
+                kw = gl.load(hptr + rslot[:, None] + rm[None, :])
+            else:  # (2: extended first, moved as 32-bit words: fewer instructions to pack and unpack)
+                kw = _word(gl.load(hptr + rslot[:, None] + rm[None, :]))
+            vw = gl.load(hptr + rslot[:, None] + (VALUE_OFFSET // 2 + rm)[None, :])
+            if STAGE == 2:
+                vw = _word(vw)
+            kslot = gl.convert_layout(kslot, gl.SliceLayout(1, KEY_WORDS), assert_trivial=True)
+        else:
+            kslot = _slots(kb, start, kg, kp, h_blk, h_pos, h_base, BLOCK, BLOCK_SIZE)
+            kslot = gl.convert_layout(kslot, gl.SliceLayout(1, KEY_WORDS), assert_trivial=True)
+            # not masked: past the end a position reads a slot of block 0, inside the cache, and is dropped
+            if KEY_FP8:  # 32-bit words of four codes (4-byte aligned slots: supports())
+                kw = gl.load(wptr + (kslot >> 1)[:, None] + km[None, :])
+            else:  # 16-bit words of four codes
+                kw = _word(gl.load(hptr + kslot[:, None] + km[None, :]))
+            vslot = _slots(vb, start, vgr, vp, h_blk, h_pos, h_base, BLOCK, BLOCK_SIZE)
+            vslot = gl.convert_layout(vslot, gl.SliceLayout(1, VALUE_WORDS), assert_trivial=True)
+            vw = _word(gl.load(hptr + vslot[:, None] + (VALUE_OFFSET // 2 + vm)[None, :]))
         valid = start + sn < end
         sslot = gl.convert_layout(kslot, ROWS, assert_trivial=True)  # the score rows are the key rows
         if KEY_FP8:
@@ -358,7 +398,8 @@ if gluon is not None:
                         NORM_CORRECTION: gl.constexpr, PREFETCH: gl.constexpr,
                         KEY_CODE_BYTES: gl.constexpr, VALUE_OFFSET: gl.constexpr, VALUE_CODE_BYTES: gl.constexpr,
                         MMA: gl.constexpr, A_OP: gl.constexpr, B_OP: gl.constexpr, KEY_WORDS: gl.constexpr,
-                        VALUE_WORDS: gl.constexpr, KEY_SLOTS: gl.constexpr, VALUE_SLOTS: gl.constexpr):
+                        VALUE_WORDS: gl.constexpr, KEY_SLOTS: gl.constexpr, VALUE_SLOTS: gl.constexpr,
+                        ROW_WORDS: gl.constexpr, STAGE: gl.constexpr):
         BLOCK: gl.constexpr = 64
         KT: gl.constexpr = D // 16
         VJ: gl.constexpr = D // 128
@@ -439,40 +480,53 @@ if gluon is not None:
         # double buffering: the next tile's loads are in flight during this tile's math)
         if PREFETCH >= 1:
             kb = _block_ids(bt_row, s_bm, begin, end, kg, BLOCK_SIZE)
-            vb = _block_ids(bt_row, s_bm, begin, end, vgr, BLOCK_SIZE)
+            vb = _block_ids(bt_row, s_bm, begin, end, vgr, BLOCK_SIZE) if STAGE == 0 else kb
         if PREFETCH == 2:
             kw, vw, knorm, vscale, vzero = _tile_loads(
                 hptr, wptr, fptr, kb, vb, begin, end, kg, kp, vgr, vp, km, vm, sn, h_blk, h_pos, head_base,
                 KEY_FP8, KEY_CODE_BYTES, VALUE_OFFSET, VALUE_CODE_BYTES, BLOCK, BLOCK_SIZE, KEY_WORDS, VALUE_WORDS,
-                ROWS)
+                ROWS, STAGE, ROW_WORDS)
             kb = _block_ids(bt_row, s_bm, begin + BLOCK, end, kg, BLOCK_SIZE)
-            vb = _block_ids(bt_row, s_bm, begin + BLOCK, end, vgr, BLOCK_SIZE)
+            vb = _block_ids(bt_row, s_bm, begin + BLOCK, end, vgr, BLOCK_SIZE) if STAGE == 0 else kb
         for start in range(begin, end, BLOCK):
             if PREFETCH == 2:
                 kb_next = _block_ids(bt_row, s_bm, start + 2 * BLOCK, end, kg, BLOCK_SIZE)
-                vb_next = _block_ids(bt_row, s_bm, start + 2 * BLOCK, end, vgr, BLOCK_SIZE)
+                vb_next = _block_ids(bt_row, s_bm, start + 2 * BLOCK, end, vgr, BLOCK_SIZE) if STAGE == 0 else kb_next
                 kw_next, vw_next, knorm_next, vscale_next, vzero_next = _tile_loads(
                     hptr, wptr, fptr, kb, vb, start + BLOCK, end, kg, kp, vgr, vp, km, vm, sn, h_blk, h_pos,
                     head_base, KEY_FP8, KEY_CODE_BYTES, VALUE_OFFSET, VALUE_CODE_BYTES, BLOCK, BLOCK_SIZE, KEY_WORDS,
-                    VALUE_WORDS, ROWS)
+                    VALUE_WORDS, ROWS, STAGE, ROW_WORDS)
             else:
                 if PREFETCH == 1:
                     kb_next = _block_ids(bt_row, s_bm, start + BLOCK, end, kg, BLOCK_SIZE)
-                    vb_next = _block_ids(bt_row, s_bm, start + BLOCK, end, vgr, BLOCK_SIZE)
+                    vb_next = _block_ids(bt_row, s_bm, start + BLOCK, end, vgr, BLOCK_SIZE) if STAGE == 0 else kb_next
                 else:
                     kb = _block_ids(bt_row, s_bm, start, end, kg, BLOCK_SIZE)
-                    vb = _block_ids(bt_row, s_bm, start, end, vgr, BLOCK_SIZE)
+                    vb = _block_ids(bt_row, s_bm, start, end, vgr, BLOCK_SIZE) if STAGE == 0 else kb
                 kw, vw, knorm, vscale, vzero = _tile_loads(
                     hptr, wptr, fptr, kb, vb, start, end, kg, kp, vgr, vp, km, vm, sn, h_blk, h_pos, head_base,
                     KEY_FP8, KEY_CODE_BYTES, VALUE_OFFSET, VALUE_CODE_BYTES, BLOCK, BLOCK_SIZE, KEY_WORDS,
-                    VALUE_WORDS, ROWS)
+                    VALUE_WORDS, ROWS, STAGE, ROW_WORDS)
             valid = start + sn < end
+
+            if STAGE == 1:  # into the fragments' layout (through shared memory), then extended
+                if KEY_FP8:
+                    kf = gl.convert_layout(kw, KEY_WORDS)
+                else:
+                    kf = _word(gl.convert_layout(kw, KEY_WORDS))
+                vf = _word(gl.convert_layout(vw, VALUE_WORDS))
+            elif STAGE == 2:  # into the fragments' layout (through shared memory)
+                kf = gl.convert_layout(kw, KEY_WORDS)
+                vf = gl.convert_layout(vw, VALUE_WORDS)
+            else:
+                kf = kw
+                vf = vw
 
             # ---- keys: scores^T [64, 8] = K . q^T
             if KEY_FP8:
-                low, high = _fp8_pairs(kw)
+                low, high = _fp8_pairs(kf)
             else:
-                low, high = _lut4_pairs(kw, t0, t1, t2, t3, t4, t5, t6, t7)
+                low, high = _lut4_pairs(kf, t0, t1, t2, t3, t4, t5, t6, t7)
             x = gl.permute(gl.join(low, high), (0, 1, 3, 2))  # [64, m, r2, b]
             x = gl.permute(gl.reshape(x, [BLOCK, 4, KT, 2, 2]), (0, 2, 3, 1, 4))  # [64, kk, r2, t, b]
             keys = gl.convert_layout(gl.reshape(x, [BLOCK, D]), A_OP, assert_trivial=True)
@@ -493,7 +547,7 @@ if gluon is not None:
             ps_acc = ps_acc * alpha[None, :] + ps.to(gl.float32)
 
             # ---- values: acc^T [D, 8] += V^T . (P * scale)^T, codes as fp16 1024 + f code
-            v0, v1, v2, v3 = _value_pairs(vw)
+            v0, v1, v2, v3 = _value_pairs(vf)
             y = gl.join(gl.join(v0, v1), gl.join(v2, v3))  # [64, word, r1, i // 2]
             y = gl.reshape(y, [BLOCK, 4, 8, VJ, 2, 2])  # [pos, w, l // 4, j, r1, i // 2]
             y = gl.reshape(gl.permute(y, (3, 5, 1, 4, 2, 0)), [D, BLOCK])  # [j, i // 2, w, r1, l // 4, pos]
@@ -517,14 +571,20 @@ if gluon is not None:
 
 def launch(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
            query_start_loc: torch.Tensor, part_out: torch.Tensor, part_lse: torch.Tensor, preset: Preset,
-           group: int, splits: int, search_steps: int, prefetch: int | None = None, regs: int | None = None) -> None:
+           group: int, splits: int, search_steps: int, prefetch: int | None = None, stage: int | None = None,
+           regs: int | None = None) -> None:
     """Fill ``part_out`` / ``part_lse`` (the stream kernel's partials) from ``q`` (prepare_query's query, fp32
     [T, Hq, D], its last stride 1). ``prefetch``: the kernel's PREFETCH (0 none, 1 block ids a tile ahead, 2 also
-    the words; default :func:`default_prefetch`); ``regs``: the register cap (default :func:`maxnreg`)."""
-    if prefetch is None:
-        prefetch = default_prefetch()
+    the words; default :func:`default_prefetch`); ``stage``: the kernel's STAGE (0: each thread loads its
+    fragments' words, 1 / 2: a warp loads a position's words together, then they move through shared memory as
+    16- / 32-bit words; default
+    :func:`default_stage`); ``regs``: the register cap (default :func:`maxnreg`)."""
+    prefetch = default_prefetch() if prefetch is None else prefetch
+    stage = default_stage() if stage is None else stage
     if prefetch not in (0, 1, 2):
         raise ValueError(f"prefetch: expected 0, 1 or 2, got {prefetch!r}")
+    if stage not in (0, 1, 2):
+        raise ValueError(f"stage: expected 0, 1 or 2, got {stage!r}")
     rows, kv_heads = q.shape[0], kv_cache.shape[2]
     max_len = block_table.shape[1] * kv_cache.shape[1]
     fragment_kernel[(rows, kv_heads, splits)](
@@ -534,5 +594,5 @@ def launch(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, s
         *(st // 2 for st in kv_cache.stride()[:3]),
         GROUP=group, D=preset.head_dim, BLOCK_SIZE=kv_cache.shape[1], NUM_SPLITS=splits, SEARCH_STEPS=search_steps,
         KEY_FP8=preset.key_fp8, NORM_CORRECTION=preset.norm_correction, KEY_CODE_BYTES=preset.key_code_bytes, VALUE_OFFSET=preset.key_bytes,
-        VALUE_CODE_BYTES=preset.value_code_bytes, PREFETCH=prefetch, **layouts(preset.head_dim),
+        VALUE_CODE_BYTES=preset.value_code_bytes, PREFETCH=prefetch, STAGE=stage, **layouts(preset.head_dim),
         num_warps=NUM_WARPS, maxnreg=regs or maxnreg(preset.head_dim, prefetch))

@@ -961,7 +961,7 @@ def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: t
                      rotation: torch.Tensor, centroids: torch.Tensor, *, splits: int | None = None,
                      block_n: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
                      kernel: str | None = None,
-                     prefetch: int | None = None, asm: bool = True,
+                     prefetch: int | None = None, stage: int | None = None, asm: bool = True,
                      maxnreg: int | None = None, lut: torch.Tensor | None = None,
                      index32: bool | None = None, signs: torch.Tensor | None = None,
                      query_in_kernel: bool | None = None, launch=None,
@@ -977,7 +977,8 @@ def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: t
     each kernel before its launch (``torch.library.wrap_triton`` when traced for Inductor, see
     :mod:`tqkv_compile.lowerings.inductor_ops`). ``out``: where the merge stores the answer (the query's shape
     and dtype, any strides; default a new tensor). ``prefetch``: the stream kernel's hand prefetch (a bool,
-    default off) or the fragment kernel's PREFETCH (0, 1 or 2, default :func:`gluon_decode.default_prefetch`).
+    default off) or the fragment kernel's PREFETCH (0, 1 or 2, default :func:`gluon_decode.default_prefetch`);
+    ``stage``: the fragment kernel's STAGE (0, 1 or 2, default :func:`gluon_decode.default_stage`).
     ``maxnreg``: the register cap (default: the measured one for the kernel and ``prefetch``)."""
     require_vllm_layout(preset)
     if launch is None:
@@ -1070,7 +1071,7 @@ def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: t
     elif kernel == "fragments":
         q = prepare_query(query, None if preset.key_fp8 else rotation, scale * LOG2E)
         gluon_decode.launch(q, kv_cache, block_table, seq_lens, query_start_loc, part_out, part_lse, preset, group,
-                            splits, common["SEARCH_STEPS"], prefetch, maxnreg)
+                            splits, common["SEARCH_STEPS"], prefetch, stage, maxnreg)
     elif kernel == "bytes":
         q = prepare_query(query, None if preset.key_fp8 else rotation, scale * LOG2E, _traced(launch))
         launch(_decode_split_kernel)[(rows, kv_heads, splits)](

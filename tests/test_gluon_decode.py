@@ -91,10 +91,10 @@ import tqkv_compile
 from tqkv_compile.lowerings import gluon_decode
 
 results = []
-for name, dim, prefetch in json.loads(sys.argv[1]):
+for name, dim, prefetch, stage in json.loads(sys.argv[1]):
     p = tqkv_compile.get_preset(name, dim)
     constexprs = dict(GROUP=4, D=dim, BLOCK_SIZE=16, NUM_SPLITS=2, SEARCH_STEPS=7, KEY_FP8=p.key_fp8,
-                      NORM_CORRECTION=p.norm_correction, PREFETCH=prefetch,
+                      NORM_CORRECTION=p.norm_correction, PREFETCH=prefetch, STAGE=stage,
                       KEY_CODE_BYTES=p.key_code_bytes, VALUE_OFFSET=p.key_bytes, VALUE_CODE_BYTES=p.value_code_bytes,
                       **gluon_decode.layouts(dim))
     fn = gluon_decode.fragment_kernel
@@ -106,7 +106,7 @@ for name, dim, prefetch in json.loads(sys.argv[1]):
                             options=dict(num_warps=gluon_decode.NUM_WARPS,
                                          maxnreg=gluon_decode.maxnreg(dim, prefetch)))
     ptx = kernel.asm["ptx"]
-    results.append(dict(name=name, dim=dim, prefetch=prefetch, norm_correction=p.norm_correction,
+    results.append(dict(name=name, dim=dim, prefetch=prefetch, stage=stage, norm_correction=p.norm_correction,
                         shared=kernel.metadata.shared, mma=ptx.count("mma.sync.aligned.m16n8k16"),
                         loads=ptx.count("ld.global")))
 print("RESULTS " + json.dumps(results))
@@ -117,32 +117,35 @@ def test_fragment_kernel_compiles_for_hopper_with_no_tile_through_shared_memory(
     """Compiled for sm_90a (no GPU needed; in a process of its own, without the suite's TRITON_INTERPRET): every
     convert_layout into an mma operand is asserted trivial in the kernel, so compiling is the check that the
     loaded codes are the fragments; the shared memory left is P's exchange between warps and the max's reduction
-    (1 KB; the stream kernel's tiles take 19 KB)."""
+    (1 KB; the stream kernel's tiles take 19 KB), plus, at STAGE 1 / 2, the words' move into the fragments'
+    layout. The loops with PREFETCH and STAGE compile too."""
     import json
     import os
     import subprocess
     import sys
 
-    cases = [["tqkv_4bit_pc", 128, 0], ["turboquant_4bit_nc", 128, 0], ["turboquant_4bit_nc", 256, 0],
-             ["turboquant_k8v4", 128, 0], ["turboquant_4bit_nc", 128, 2], ["turboquant_k8v4", 128, 2]]
+    cases = [["tqkv_4bit_pc", 128, 0, 0], ["turboquant_4bit_nc", 128, 0, 0], ["turboquant_4bit_nc", 256, 0, 0],
+             ["turboquant_k8v4", 128, 0, 0], ["turboquant_4bit_nc", 128, 2, 0], ["turboquant_k8v4", 128, 2, 0],
+             ["turboquant_4bit_nc", 128, 0, 1], ["turboquant_4bit_nc", 256, 2, 2], ["turboquant_k8v4", 128, 2, 2]]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-c", _COMPILE, json.dumps(cases)], capture_output=True, text=True,
                           env=env, timeout=600)
     line = next((ln for ln in done.stdout.splitlines() if ln.startswith("RESULTS ")), None)
     assert line is not None, done.stderr[-3000:]
     results = json.loads(line[len("RESULTS "):])
-    assert [[r["name"], r["dim"], r["prefetch"]] for r in results] == cases
+    assert [[r["name"], r["dim"], r["prefetch"], r["stage"]] for r in results] == cases
     for r in results:
-        assert r["shared"] <= 2048, r
+        # STAGE 1 / 2 move the words through shared memory on purpose: at most a tile of them (64 x D / 4 words)
+        assert r["shared"] <= 2048 + (0 if r["stage"] == 0 else 64 * r["dim"]), r
         # one mma.sync a k-step of each warp's 16 key rows (twice with the norm's sum of squares), and for the
         # values D / 64 row tiles of 4 k-steps: nothing else goes through the tensor cores
         kt = r["dim"] // 16
         assert r["mma"] == kt * (2 if r["norm_correction"] else 1) + 4 * r["dim"] // 64, r
     # PREFETCH 2 issues the loads of the tile ahead in the loop and those of the first tile before it: the
     # loop's loads once more than without (block ids, words, norms: the same loads, twice in the code)
-    by = {(r["name"], r["dim"], r["prefetch"]): r["loads"] for r in results}
+    by = {(r["name"], r["dim"], r["prefetch"], r["stage"]): r["loads"] for r in results}
     for name in ("turboquant_4bit_nc", "turboquant_k8v4"):
-        assert by[name, 128, 2] > by[name, 128, 0], by
+        assert by[name, 128, 2, 0] > by[name, 128, 0, 0], by
 
 
 def test_the_launcher_takes_it_only_where_it_can(monkeypatch):
@@ -197,10 +200,11 @@ def test_it_is_preferred_where_the_h200_measured_it_faster():
     assert not gluon_decode.preferred(k8, 1, 32768) and not gluon_decode.preferred(k8, 1, 4096)
 
 
-def test_prefetch_setting_and_its_register_cap(monkeypatch):
-    """TQKV_FRAGMENT_PREFETCH picks the loop (0 by default, the one timed); 2 holds the next tile's words in
-    registers, so its cap is raised (no spills at 150 / 222 registers with triton 3.6: bench/ptx_stats.py
-    --kernel fragments --fragment-prefetch 2); anything else is refused, by the launcher too."""
+def test_prefetch_and_stage_settings_and_the_register_cap(monkeypatch):
+    """TQKV_FRAGMENT_PREFETCH and TQKV_FRAGMENT_STAGE pick the loop (0 by default, the one timed); prefetch 2
+    holds the next tile's words in registers, so its cap is raised (no spills at 150 / 222 registers with
+    triton 3.6: bench/ptx_stats.py --kernel fragments --fragment-prefetch 2); anything else is refused, by the
+    launcher too."""
     monkeypatch.delenv(gluon_decode.PREFETCH_ENV, raising=False)
     assert gluon_decode.default_prefetch() == 0
     monkeypatch.setenv(gluon_decode.PREFETCH_ENV, "2")
@@ -212,8 +216,16 @@ def test_prefetch_setting_and_its_register_cap(monkeypatch):
     assert [gluon_decode.maxnreg(d, 2) for d in (128, 256)] == [168, 255]
     assert triton_attention.programs_per_sm(gluon_decode.maxnreg(128, 2), gluon_decode.NUM_WARPS) == 3
     p = tqkv_compile.get_preset("turboquant_4bit_nc", 128)
+    monkeypatch.delenv(gluon_decode.STAGE_ENV, raising=False)
+    assert gluon_decode.default_stage() == 0
+    monkeypatch.setenv(gluon_decode.STAGE_ENV, "3")
+    with pytest.raises(ValueError, match="0, 1 or 2"):
+        gluon_decode.default_stage()
+    monkeypatch.delenv(gluon_decode.STAGE_ENV)
+    args = (torch.zeros(1, 4, 128), torch.zeros(4, 16, 1, p.slot_bytes, dtype=torch.uint8),
+            torch.zeros(1, 4, dtype=torch.int32), torch.ones(1, dtype=torch.int32), torch.tensor([0, 1], dtype=torch.int32),
+            torch.zeros(1, 4, 1, 128), torch.zeros(1, 4, 1), p, 4, 1, 1)
     with pytest.raises(ValueError, match="prefetch: expected 0, 1 or 2"):
-        gluon_decode.launch(torch.zeros(1, 4, 128), torch.zeros(4, 16, 1, p.slot_bytes, dtype=torch.uint8),
-                            torch.zeros(1, 4, dtype=torch.int32), torch.ones(1, dtype=torch.int32),
-                            torch.tensor([0, 1], dtype=torch.int32), torch.zeros(1, 4, 1, 128), torch.zeros(1, 4, 1),
-                            p, 4, 1, 1, prefetch=3)
+        gluon_decode.launch(*args, prefetch=3)
+    with pytest.raises(ValueError, match="stage: expected 0, 1 or 2"):
+        gluon_decode.launch(*args, prefetch=0, stage=3)
