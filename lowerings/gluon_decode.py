@@ -193,7 +193,14 @@ def layouts(dim: int) -> dict:
     # words [64, D / 4] as a warp's load instruction reads them best: consecutive words of one position
     row_words = gl.BlockedLayout(size_per_thread=[1, 1], threads_per_warp=[1, 32], warps_per_cta=[NUM_WARPS, 1],
                                  order=[1, 0])
-    return dict(ROW_WORDS=row_words, MMA=mma, A_OP=gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2),
+    # the per-position fields [64, 4] as loaded (STAGE >= 1: 4 lanes a position, 8 positions a warp's instruction)
+    # and as used: the score rows' layout (lane l: rows l // 4 and l // 4 + 8 of its warp), 4 columns a thread
+    field_rows = gl.BlockedLayout(size_per_thread=[1, 1], threads_per_warp=[8, 4], warps_per_cta=[NUM_WARPS, 1],
+                                  order=[1, 0])
+    field_regs = gl.DistributedLinearLayout(
+        reg_bases=[[0, 1], [0, 2], [8, 0]], lane_bases=[[0, 0], [0, 0], [1, 0], [2, 0], [4, 0]],
+        warp_bases=[[16, 0], [32, 0]], block_bases=[], shape=[BLOCK_N, 4])
+    return dict(ROW_WORDS=row_words, FIELD_ROWS=field_rows, FIELD_REGS=field_regs, MMA=mma, A_OP=gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2),
                 B_OP=gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2),
                 KEY_WORDS=key_words, VALUE_WORDS=value_words, KEY_SLOTS=key_slots, VALUE_SLOTS=value_slots)
 
@@ -345,7 +352,7 @@ if gluon is not None:
                     KEY_FP8: gl.constexpr, KEY_CODE_BYTES: gl.constexpr, VALUE_OFFSET: gl.constexpr,
                     VALUE_CODE_BYTES: gl.constexpr, BLOCK: gl.constexpr, BLOCK_SIZE: gl.constexpr,
                     KEY_WORDS: gl.constexpr, VALUE_WORDS: gl.constexpr, ROWS: gl.constexpr, STAGE: gl.constexpr,
-                    ROW_WORDS: gl.constexpr):
+                    ROW_WORDS: gl.constexpr, FIELD_ROWS: gl.constexpr):
         """Everything the tile at ``start`` reads from the cache, given its block ids (``kb``, ``vb``: the key
         rows' and the value positions' copies): the key words, the value words, and a position's key norm,
         value scale and value zero (fp32; 0 past ``end``; fp8 keys have no norm: zeros, never read).
@@ -378,17 +385,38 @@ if gluon is not None:
             vslot = _slots(vb, start, vgr, vp, h_blk, h_pos, h_base, BLOCK, BLOCK_SIZE)
             vslot = gl.convert_layout(vslot, gl.SliceLayout(1, VALUE_WORDS), assert_trivial=True)
             vw = _word(gl.load(hptr + vslot[:, None] + (VALUE_OFFSET // 2 + vm)[None, :]))
-        valid = start + sn < end
-        sslot = gl.convert_layout(kslot, ROWS, assert_trivial=True)  # the score rows are the key rows
-        if KEY_FP8:
-            knorm = gl.zeros([BLOCK], gl.float32, layout=ROWS)
-        else:
-            knorm = gl.load(fptr + sslot + KEY_CODE_BYTES // 2, mask=valid, other=0.0).to(gl.float32)
-        vscale = gl.load(fptr + sslot + (VALUE_OFFSET + VALUE_CODE_BYTES) // 2, mask=valid,
-                         other=0.0).to(gl.float32)
-        vzero = gl.load(fptr + sslot + (VALUE_OFFSET + VALUE_CODE_BYTES + 2) // 2, mask=valid,
-                        other=0.0).to(gl.float32)
-        return kw, vw, knorm, vscale, vzero
+        # the fields (fp16, converted where used: a conversion here would wait for a prefetched load)
+        scale_at: gl.constexpr = (VALUE_OFFSET + VALUE_CODE_BYTES) // 2
+        norm_at: gl.constexpr = scale_at if KEY_FP8 else KEY_CODE_BYTES // 2  # (fp8 keys: no norm, never read)
+        if STAGE >= 1:  # a [64, 4] tile, columns (norm, zero, scale, zero): a warp's instruction reads 8 positions
+            fslot = gl.convert_layout(kslot, gl.SliceLayout(1, FIELD_ROWS))
+            fc = gl.arange(0, 4, layout=gl.SliceLayout(0, FIELD_ROWS))
+            at = gl.where(fc == 0, norm_at, gl.where(fc == 2, scale_at, scale_at + 1))
+            fvalid = start + gl.arange(0, BLOCK, layout=gl.SliceLayout(1, FIELD_ROWS)) < end
+            fields = gl.load(fptr + fslot[:, None] + at[None, :], mask=fvalid[:, None], other=0.0)
+        else:  # each as the score rows hold them, joined (no data moves) as [64, 2, 2] (norm, scale), (zero, zero)
+            valid = start + sn < end
+            sslot = gl.convert_layout(kslot, ROWS, assert_trivial=True)  # the score rows are the key rows
+            vscale = gl.load(fptr + sslot + scale_at, mask=valid, other=0.0)
+            vzero = gl.load(fptr + sslot + scale_at + 1, mask=valid, other=0.0)
+            if KEY_FP8:
+                knorm = vscale
+            else:
+                knorm = gl.load(fptr + sslot + norm_at, mask=valid, other=0.0)
+            fields = gl.join(gl.join(knorm, vscale), gl.join(vzero, vzero))
+        return kw, vw, fields
+
+    @gluon.jit
+    def _fields(fields, ROWS: gl.constexpr, FIELD_REGS: gl.constexpr, STAGE: gl.constexpr):
+        """:func:`_tile_loads`' fields -> (key norm, value scale, value zero), fp32 in the score rows' layout."""
+        if STAGE >= 1:  # into the rows' layout, the four columns in a thread's registers (through shared memory)
+            fields = gl.reshape(gl.convert_layout(fields, FIELD_REGS), [fields.shape[0], 2, 2])
+        first, second = gl.split(fields)
+        knorm, vscale = gl.split(first)
+        vzero, _ = gl.split(second)
+        return (gl.convert_layout(knorm, ROWS, assert_trivial=True).to(gl.float32),
+                gl.convert_layout(vscale, ROWS, assert_trivial=True).to(gl.float32),
+                gl.convert_layout(vzero, ROWS, assert_trivial=True).to(gl.float32))
 
     @gluon.jit
     def fragment_kernel(q_ptr, cache_ptr, block_table_ptr, seq_lens_ptr, qsl_ptr, lut_ptr, key_order_ptr,
@@ -399,7 +427,8 @@ if gluon is not None:
                         KEY_CODE_BYTES: gl.constexpr, VALUE_OFFSET: gl.constexpr, VALUE_CODE_BYTES: gl.constexpr,
                         MMA: gl.constexpr, A_OP: gl.constexpr, B_OP: gl.constexpr, KEY_WORDS: gl.constexpr,
                         VALUE_WORDS: gl.constexpr, KEY_SLOTS: gl.constexpr, VALUE_SLOTS: gl.constexpr,
-                        ROW_WORDS: gl.constexpr, STAGE: gl.constexpr):
+                        ROW_WORDS: gl.constexpr, FIELD_ROWS: gl.constexpr, FIELD_REGS: gl.constexpr,
+                        STAGE: gl.constexpr):
         BLOCK: gl.constexpr = 64
         KT: gl.constexpr = D // 16
         VJ: gl.constexpr = D // 128
@@ -482,20 +511,20 @@ if gluon is not None:
             kb = _block_ids(bt_row, s_bm, begin, end, kg, BLOCK_SIZE)
             vb = _block_ids(bt_row, s_bm, begin, end, vgr, BLOCK_SIZE) if STAGE == 0 else kb
         if PREFETCH == 2:
-            kw, vw, knorm, vscale, vzero = _tile_loads(
+            kw, vw, fields = _tile_loads(
                 hptr, wptr, fptr, kb, vb, begin, end, kg, kp, vgr, vp, km, vm, sn, h_blk, h_pos, head_base,
                 KEY_FP8, KEY_CODE_BYTES, VALUE_OFFSET, VALUE_CODE_BYTES, BLOCK, BLOCK_SIZE, KEY_WORDS, VALUE_WORDS,
-                ROWS, STAGE, ROW_WORDS)
+                ROWS, STAGE, ROW_WORDS, FIELD_ROWS)
             kb = _block_ids(bt_row, s_bm, begin + BLOCK, end, kg, BLOCK_SIZE)
             vb = _block_ids(bt_row, s_bm, begin + BLOCK, end, vgr, BLOCK_SIZE) if STAGE == 0 else kb
         for start in range(begin, end, BLOCK):
             if PREFETCH == 2:
                 kb_next = _block_ids(bt_row, s_bm, start + 2 * BLOCK, end, kg, BLOCK_SIZE)
                 vb_next = _block_ids(bt_row, s_bm, start + 2 * BLOCK, end, vgr, BLOCK_SIZE) if STAGE == 0 else kb_next
-                kw_next, vw_next, knorm_next, vscale_next, vzero_next = _tile_loads(
+                kw_next, vw_next, fields_next = _tile_loads(
                     hptr, wptr, fptr, kb, vb, start + BLOCK, end, kg, kp, vgr, vp, km, vm, sn, h_blk, h_pos,
                     head_base, KEY_FP8, KEY_CODE_BYTES, VALUE_OFFSET, VALUE_CODE_BYTES, BLOCK, BLOCK_SIZE, KEY_WORDS,
-                    VALUE_WORDS, ROWS, STAGE, ROW_WORDS)
+                    VALUE_WORDS, ROWS, STAGE, ROW_WORDS, FIELD_ROWS)
             else:
                 if PREFETCH == 1:
                     kb_next = _block_ids(bt_row, s_bm, start + BLOCK, end, kg, BLOCK_SIZE)
@@ -503,11 +532,12 @@ if gluon is not None:
                 else:
                     kb = _block_ids(bt_row, s_bm, start, end, kg, BLOCK_SIZE)
                     vb = _block_ids(bt_row, s_bm, start, end, vgr, BLOCK_SIZE) if STAGE == 0 else kb
-                kw, vw, knorm, vscale, vzero = _tile_loads(
+                kw, vw, fields = _tile_loads(
                     hptr, wptr, fptr, kb, vb, start, end, kg, kp, vgr, vp, km, vm, sn, h_blk, h_pos, head_base,
                     KEY_FP8, KEY_CODE_BYTES, VALUE_OFFSET, VALUE_CODE_BYTES, BLOCK, BLOCK_SIZE, KEY_WORDS,
-                    VALUE_WORDS, ROWS, STAGE, ROW_WORDS)
+                    VALUE_WORDS, ROWS, STAGE, ROW_WORDS, FIELD_ROWS)
             valid = start + sn < end
+            knorm, vscale, vzero = _fields(fields, ROWS, FIELD_REGS, STAGE)
 
             if STAGE == 1:  # into the fragments' layout (through shared memory), then extended
                 if KEY_FP8:
@@ -554,7 +584,7 @@ if gluon is not None:
             values = gl.convert_layout(y, A_OP, assert_trivial=True)
             acc = mma_v2(values, gl.convert_layout(ps, B_OP), acc * alpha[None, :])
             if PREFETCH == 2:
-                kw, vw, knorm, vscale, vzero = kw_next, vw_next, knorm_next, vscale_next, vzero_next
+                kw, vw, fields = kw_next, vw_next, fields_next
             if PREFETCH >= 1:
                 kb, vb = kb_next, vb_next
 

@@ -229,3 +229,34 @@ def test_prefetch_and_stage_settings_and_the_register_cap(monkeypatch):
         gluon_decode.launch(*args, prefetch=3)
     with pytest.raises(ValueError, match="stage: expected 0, 1 or 2"):
         gluon_decode.launch(*args, prefetch=0, stage=3)
+
+
+def test_field_columns_come_apart_as_the_kernel_reads_them():
+    """STAGE 1 / 2 load a position's fields as one [64, 4] tile with columns (norm, zero, scale, zero), and
+    _fields takes them apart by reshape [64, 2, 2], split, split (STAGE 0 joins them into that shape). Triton's
+    reshape and split semantics are Gluon's: the same chain here, interpreted, on column indices, must give
+    (norm, scale) from the first half and (zero, zero) from the second."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def chain(src, out):
+        rows = tl.arange(0, 64)
+        tile = tl.load(src + rows[:, None] * 4 + tl.arange(0, 4)[None, :])
+        first, second = tl.split(tl.reshape(tile, [64, 2, 2]))
+        norm, scale = tl.split(first)
+        zero, again = tl.split(second)
+        tl.store(out + rows, norm)
+        tl.store(out + 64 + rows, scale)
+        tl.store(out + 128 + rows, zero)
+        tl.store(out + 192 + rows, again)
+
+    columns = {"norm": 0, "zero": 1, "scale": 2}  # the kernel's `at`: fc == 0 norm, fc == 2 scale, else zero
+    src = (torch.arange(64)[:, None] * 100 + torch.arange(4)[None, :]).to(torch.int32)
+    out = torch.empty(4, 64, dtype=torch.int32)
+    chain[(1,)](src, out)
+    rows = torch.arange(64, dtype=torch.int32) * 100
+    assert torch.equal(out[0] - rows, torch.full((64,), columns["norm"], dtype=torch.int32))
+    assert torch.equal(out[1] - rows, torch.full((64,), columns["scale"], dtype=torch.int32))
+    assert torch.equal(out[2] - rows, torch.full((64,), columns["zero"], dtype=torch.int32))
+    assert torch.equal(out[3] - rows, torch.full((64,), 3, dtype=torch.int32))  # the fourth column: zero again
