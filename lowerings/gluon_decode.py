@@ -190,17 +190,25 @@ def layouts(dim: int) -> dict:
     value_slots = gl.DistributedLinearLayout(
         reg_bases=[[0, 1], [0, 8], [1, 0], [2, 0]], lane_bases=[[0, 2], [0, 4], [0, 0], [0, 0], [0, 0]],
         warp_bases=[[0, 0], [0, 0]], block_bases=[], shape=[4, 16])
-    # words [64, D / 4] as a warp's load instruction reads them best: consecutive words of one position
-    row_words = gl.BlockedLayout(size_per_thread=[1, 1], threads_per_warp=[1, 32], warps_per_cta=[NUM_WARPS, 1],
-                                 order=[1, 0])
-    # the per-position fields [64, 4] as loaded (STAGE >= 1: 4 lanes a position, 8 positions a warp's instruction)
-    # and as used: the score rows' layout (lane l: rows l // 4 and l // 4 + 8 of its warp), 4 columns a thread
-    field_rows = gl.BlockedLayout(size_per_thread=[1, 1], threads_per_warp=[8, 4], warps_per_cta=[NUM_WARPS, 1],
-                                  order=[1, 0])
+    # words [64, D / 4] as a warp's load instruction reads them best: 32 consecutive words of one position (lanes
+    # along the words, registers along the warp's 16 rows, then the next 32 words at head 256); warp w: rows 16 w ..
+    row_words = gl.DistributedLinearLayout(
+        reg_bases=[[1, 0], [2, 0], [4, 0], [8, 0]] + [[0, 32 * k] for k in _bits(dim // 128)],
+        lane_bases=[[0, 1], [0, 2], [0, 4], [0, 8], [0, 16]], warp_bases=[[16, 0], [32, 0]], block_bases=[],
+        shape=[BLOCK_N, dim // 4])
+    # their slot offsets [4 groups of 16 positions, 16]: a thread the 16 of its warp's group
+    row_slots = gl.DistributedLinearLayout(
+        reg_bases=[[0, 1], [0, 2], [0, 4], [0, 8]], lane_bases=[[0, 0]] * 5, warp_bases=[[1, 0], [2, 0]],
+        block_bases=[], shape=[4, 16])
+    # the per-position fields [64, 4] as loaded (STAGE >= 1: lane l reads field l % 4 of row l // 4 (and + 8), 8
+    # positions a warp's instruction; the rows as the scores hold them) and as used (a thread's 4 in registers)
+    field_rows = gl.DistributedLinearLayout(
+        reg_bases=[[8, 0]], lane_bases=[[0, 1], [0, 2], [1, 0], [2, 0], [4, 0]],
+        warp_bases=[[16, 0], [32, 0]], block_bases=[], shape=[BLOCK_N, 4])
     field_regs = gl.DistributedLinearLayout(
         reg_bases=[[0, 1], [0, 2], [8, 0]], lane_bases=[[0, 0], [0, 0], [1, 0], [2, 0], [4, 0]],
         warp_bases=[[16, 0], [32, 0]], block_bases=[], shape=[BLOCK_N, 4])
-    return dict(ROW_WORDS=row_words, FIELD_ROWS=field_rows, FIELD_REGS=field_regs, MMA=mma, A_OP=gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2),
+    return dict(ROW_WORDS=row_words, ROW_SLOTS=row_slots, FIELD_ROWS=field_rows, FIELD_REGS=field_regs, MMA=mma, A_OP=gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2),
                 B_OP=gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2),
                 KEY_WORDS=key_words, VALUE_WORDS=value_words, KEY_SLOTS=key_slots, VALUE_SLOTS=value_slots)
 
@@ -348,11 +356,18 @@ if gluon is not None:
         return gl.reshape(slots, [BLOCK]) + h_base
 
     @gluon.jit
+    def _group_base(block, start, groups, h_blk, h_base, H_POS: gl.constexpr, BLOCK_SIZE: gl.constexpr):
+        """The slot offset (2-byte units) of the first position of each group of 16 of the tile at ``start``
+        (the kv head's ``h_base`` added), from its :func:`_block_ids`."""
+        return block * h_blk + ((start + 16 * groups) % BLOCK_SIZE) * H_POS + h_base
+
+    @gluon.jit
     def _tile_loads(hptr, wptr, fptr, kb, vb, start, end, kg, kp, vgr, vp, km, vm, sn, h_blk, h_pos, h_base,
                     KEY_FP8: gl.constexpr, KEY_CODE_BYTES: gl.constexpr, VALUE_OFFSET: gl.constexpr,
                     VALUE_CODE_BYTES: gl.constexpr, BLOCK: gl.constexpr, BLOCK_SIZE: gl.constexpr,
                     KEY_WORDS: gl.constexpr, VALUE_WORDS: gl.constexpr, ROWS: gl.constexpr, STAGE: gl.constexpr,
-                    ROW_WORDS: gl.constexpr, FIELD_ROWS: gl.constexpr):
+                    ROW_WORDS: gl.constexpr, ROW_SLOTS: gl.constexpr, FIELD_ROWS: gl.constexpr,
+                    H_POS: gl.constexpr):
         """Everything the tile at ``start`` reads from the cache, given its block ids (``kb``, ``vb``: the key
         rows' and the value positions' copies): the key words, the value words, and a position's key norm,
         value scale and value zero (fp32; 0 past ``end``; fp8 keys have no norm: zeros, never read).
@@ -360,20 +375,27 @@ if gluon is not None:
         of a warp reads 8 bytes of each of 8 positions); 1 and 2: as ``ROW_WORDS`` (a warp's instruction reads
         consecutive words of one position), 16-bit (1) or extended to 32 (2), for the kernel to move into the
         fragments' layout."""
-        if STAGE >= 1:  # one slot offset a position, laid out along the rows of ROW_WORDS
-            kslot = _slots(kb, start, kg, kp, h_blk, h_pos, h_base, BLOCK, BLOCK_SIZE)
-            rslot = gl.convert_layout(kslot, gl.SliceLayout(1, ROW_WORDS))
+        if STAGE >= 1:  # a pointer a position, laid out along the rows of ROW_WORDS
+            # (built in two steps, a group's base and then the position within the group as a multiple of the
+            # constexpr stride, so that a thread's rows, consecutive positions of one block, differ by immediates)
+            rb = gl.convert_layout(kb, gl.SliceLayout(1, ROW_SLOTS))  # (the same block id: warp w, group w)
+            rg = gl.arange(0, 4, layout=gl.SliceLayout(1, ROW_SLOTS))
+            rp = gl.arange(0, 16, layout=gl.SliceLayout(0, ROW_SLOTS))
+            rbase = _group_base(rb, start, rg, h_blk, h_base, H_POS, BLOCK_SIZE)
             rm = gl.arange(0, km.shape[0], layout=gl.SliceLayout(0, ROW_WORDS))
-            if KEY_FP8:
-                kw = gl.load(wptr + (rslot >> 1)[:, None] + rm[None, :])
+            rows = gl.reshape((hptr + rbase)[:, None] + (rp * H_POS)[None, :], [BLOCK])
+            rows = gl.convert_layout(rows, gl.SliceLayout(1, ROW_WORDS), assert_trivial=True)
+            if KEY_FP8:  # (4-byte aligned slots and strides: supports())
+                krows = gl.reshape((wptr + (rbase >> 1))[:, None] + (rp * (H_POS // 2))[None, :], [BLOCK])
+                krows = gl.convert_layout(krows, gl.SliceLayout(1, ROW_WORDS), assert_trivial=True)
+                kw = gl.load(krows[:, None] + rm[None, :])
             elif STAGE == 1:  # (16-bit: half the shared memory traffic of the move; extended after it)
-                kw = gl.load(hptr + rslot[:, None] + rm[None, :])
+                kw = gl.load(rows[:, None] + rm[None, :])
             else:  # (2: extended first, moved as 32-bit words: fewer instructions to pack and unpack)
-                kw = _word(gl.load(hptr + rslot[:, None] + rm[None, :]))
-            vw = gl.load(hptr + rslot[:, None] + (VALUE_OFFSET // 2 + rm)[None, :])
+                kw = _word(gl.load(rows[:, None] + rm[None, :]))
+            vw = gl.load(rows[:, None] + (VALUE_OFFSET // 2 + rm)[None, :])
             if STAGE == 2:
                 vw = _word(vw)
-            kslot = gl.convert_layout(kslot, gl.SliceLayout(1, KEY_WORDS), assert_trivial=True)
         else:
             kslot = _slots(kb, start, kg, kp, h_blk, h_pos, h_base, BLOCK, BLOCK_SIZE)
             kslot = gl.convert_layout(kslot, gl.SliceLayout(1, KEY_WORDS), assert_trivial=True)
@@ -389,11 +411,13 @@ if gluon is not None:
         scale_at: gl.constexpr = (VALUE_OFFSET + VALUE_CODE_BYTES) // 2
         norm_at: gl.constexpr = scale_at if KEY_FP8 else KEY_CODE_BYTES // 2  # (fp8 keys: no norm, never read)
         if STAGE >= 1:  # a [64, 4] tile, columns (norm, zero, scale, zero): a warp's instruction reads 8 positions
-            fslot = gl.convert_layout(kslot, gl.SliceLayout(1, FIELD_ROWS))
+            fbase = _group_base(kb, start, kg, h_blk, h_base, H_POS, BLOCK_SIZE)
+            frows = gl.reshape((fptr + fbase)[:, None] + (kp * H_POS)[None, :], [BLOCK])
+            frows = gl.convert_layout(frows, gl.SliceLayout(1, FIELD_ROWS), assert_trivial=True)
             fc = gl.arange(0, 4, layout=gl.SliceLayout(0, FIELD_ROWS))
             at = gl.where(fc == 0, norm_at, gl.where(fc == 2, scale_at, scale_at + 1))
             fvalid = start + gl.arange(0, BLOCK, layout=gl.SliceLayout(1, FIELD_ROWS)) < end
-            fields = gl.load(fptr + fslot[:, None] + at[None, :], mask=fvalid[:, None], other=0.0)
+            fields = gl.load(frows[:, None] + at[None, :], mask=fvalid[:, None], other=0.0)
         else:  # each as the score rows hold them, joined (no data moves) as [64, 2, 2] (norm, scale), (zero, zero)
             valid = start + sn < end
             sslot = gl.convert_layout(kslot, ROWS, assert_trivial=True)  # the score rows are the key rows
@@ -427,7 +451,8 @@ if gluon is not None:
                         KEY_CODE_BYTES: gl.constexpr, VALUE_OFFSET: gl.constexpr, VALUE_CODE_BYTES: gl.constexpr,
                         MMA: gl.constexpr, A_OP: gl.constexpr, B_OP: gl.constexpr, KEY_WORDS: gl.constexpr,
                         VALUE_WORDS: gl.constexpr, KEY_SLOTS: gl.constexpr, VALUE_SLOTS: gl.constexpr,
-                        ROW_WORDS: gl.constexpr, FIELD_ROWS: gl.constexpr, FIELD_REGS: gl.constexpr,
+                        ROW_WORDS: gl.constexpr, ROW_SLOTS: gl.constexpr, FIELD_ROWS: gl.constexpr,
+                        FIELD_REGS: gl.constexpr, H_POS: gl.constexpr,
                         STAGE: gl.constexpr):
         BLOCK: gl.constexpr = 64
         KT: gl.constexpr = D // 16
@@ -514,7 +539,7 @@ if gluon is not None:
             kw, vw, fields = _tile_loads(
                 hptr, wptr, fptr, kb, vb, begin, end, kg, kp, vgr, vp, km, vm, sn, h_blk, h_pos, head_base,
                 KEY_FP8, KEY_CODE_BYTES, VALUE_OFFSET, VALUE_CODE_BYTES, BLOCK, BLOCK_SIZE, KEY_WORDS, VALUE_WORDS,
-                ROWS, STAGE, ROW_WORDS, FIELD_ROWS)
+                ROWS, STAGE, ROW_WORDS, ROW_SLOTS, FIELD_ROWS, H_POS)
             kb = _block_ids(bt_row, s_bm, begin + BLOCK, end, kg, BLOCK_SIZE)
             vb = _block_ids(bt_row, s_bm, begin + BLOCK, end, vgr, BLOCK_SIZE) if STAGE == 0 else kb
         for start in range(begin, end, BLOCK):
@@ -524,7 +549,7 @@ if gluon is not None:
                 kw_next, vw_next, fields_next = _tile_loads(
                     hptr, wptr, fptr, kb, vb, start + BLOCK, end, kg, kp, vgr, vp, km, vm, sn, h_blk, h_pos,
                     head_base, KEY_FP8, KEY_CODE_BYTES, VALUE_OFFSET, VALUE_CODE_BYTES, BLOCK, BLOCK_SIZE, KEY_WORDS,
-                    VALUE_WORDS, ROWS, STAGE, ROW_WORDS, FIELD_ROWS)
+                    VALUE_WORDS, ROWS, STAGE, ROW_WORDS, ROW_SLOTS, FIELD_ROWS, H_POS)
             else:
                 if PREFETCH == 1:
                     kb_next = _block_ids(bt_row, s_bm, start + BLOCK, end, kg, BLOCK_SIZE)
@@ -535,7 +560,7 @@ if gluon is not None:
                 kw, vw, fields = _tile_loads(
                     hptr, wptr, fptr, kb, vb, start, end, kg, kp, vgr, vp, km, vm, sn, h_blk, h_pos, head_base,
                     KEY_FP8, KEY_CODE_BYTES, VALUE_OFFSET, VALUE_CODE_BYTES, BLOCK, BLOCK_SIZE, KEY_WORDS,
-                    VALUE_WORDS, ROWS, STAGE, ROW_WORDS, FIELD_ROWS)
+                    VALUE_WORDS, ROWS, STAGE, ROW_WORDS, ROW_SLOTS, FIELD_ROWS, H_POS)
             valid = start + sn < end
             knorm, vscale, vzero = _fields(fields, ROWS, FIELD_REGS, STAGE)
 
@@ -624,5 +649,6 @@ def launch(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, s
         *(st // 2 for st in kv_cache.stride()[:3]),
         GROUP=group, D=preset.head_dim, BLOCK_SIZE=kv_cache.shape[1], NUM_SPLITS=splits, SEARCH_STEPS=search_steps,
         KEY_FP8=preset.key_fp8, NORM_CORRECTION=preset.norm_correction, KEY_CODE_BYTES=preset.key_code_bytes, VALUE_OFFSET=preset.key_bytes,
-        VALUE_CODE_BYTES=preset.value_code_bytes, PREFETCH=prefetch, STAGE=stage, **layouts(preset.head_dim),
+        VALUE_CODE_BYTES=preset.value_code_bytes, PREFETCH=prefetch, STAGE=stage,
+        H_POS=kv_cache.stride(1) // 2 if stage else 0, **layouts(preset.head_dim),
         num_warps=NUM_WARPS, maxnreg=regs or maxnreg(preset.head_dim, prefetch))

@@ -95,6 +95,7 @@ for name, dim, prefetch, stage in json.loads(sys.argv[1]):
     p = tqkv_compile.get_preset(name, dim)
     constexprs = dict(GROUP=4, D=dim, BLOCK_SIZE=16, NUM_SPLITS=2, SEARCH_STEPS=7, KEY_FP8=p.key_fp8,
                       NORM_CORRECTION=p.norm_correction, PREFETCH=prefetch, STAGE=stage,
+                      H_POS=8 * p.slot_bytes // 2 if stage else 0,
                       KEY_CODE_BYTES=p.key_code_bytes, VALUE_OFFSET=p.key_bytes, VALUE_CODE_BYTES=p.value_code_bytes,
                       **gluon_decode.layouts(dim))
     fn = gluon_decode.fragment_kernel
