@@ -27,7 +27,7 @@
 #                                                all timed against the stream kernel in one command (FRAG_CASES,
 #                                                FRAG_PRESETS, FRAG_CHECK_LOOPS)
 #   bash bench/h200_session.sh profile           ncu (full set, text) of the fragment kernel at PROFILE_CASE (64x32768)
-#                                                for PROFILE_PRESETS x PROFILE_PREFETCH (4bit_nc, k8v4 x 0 2)
+#                                                for PROFILE_PRESETS x PROFILE_LOOPS (4bit_nc, k8v4 x PREFETCH:STAGE 0:0 0:2)
 #   bash bench/h200_session.sh install           only the install (above every stage), e.g. before a command's own steps
 #   bash bench/h200_session.sh diagnose          why an eager tqkv run did not finish (h200-vllm020-notes.md)
 #   bash bench/h200_session.sh fa2               vLLM's FA2 first-launch times (driver JIT from sm_80 PTX on
@@ -179,7 +179,7 @@ fragments)
     # then all timed against the stream kernel in one command. FRAG_CHECK_LOOPS="" skips the checks,
     # FRAG_LOOPS="" the timing (to split them over two calls of 10 minutes)
     : ${FRAG_PRESETS:=turboquant_4bit_nc,turboquant_k8v4} ${FRAG_CASES:=64x32768,1x32768,64x4096}
-    for loop in ${FRAG_CHECK_LOOPS-2:0 0:2 2:2 0:1}; do
+    for loop in ${FRAG_CHECK_LOOPS-0:2 0:1 2:2 2:0}; do
         step "fragment kernel, prefetch:stage $loop: check against the reference (TQKV_FRAGMENT_KERNEL=1)"
         TQKV_FRAGMENT_KERNEL=1 TQKV_FRAGMENT_PREFETCH=${loop%:*} TQKV_FRAGMENT_STAGE=${loop#*:} \
             timeout ${FRAG_CHECK_TIMEOUT:-240} python3 -m tqkv_compile.bench_kernels --check --presets $FRAG_PRESETS \
@@ -190,7 +190,7 @@ fragments)
         variants=$(python3 -c "import json, sys
 one = [{}] + [{'kernel': 'fragments', 'prefetch': int(l.split(':')[0]), 'stage': int(l.split(':')[1])}
               for l in sys.argv[1].split()]
-print(json.dumps(one + one))" "${FRAG_LOOPS:=0:0 2:0 0:2 2:2 0:1}")
+print(json.dumps(one + one))" "${FRAG_LOOPS:=0:0 0:1 0:2 2:0 2:2}")
         step "fragment kernel against the stream kernel: $FRAG_PRESETS at $FRAG_CASES: $variants"
         timeout ${FRAG_TIMEOUT:-420} python3 -m tqkv_compile.bench_kernels --tune --presets $FRAG_PRESETS \
             --cases $FRAG_CASES --out "$OUT/h200-fragments.json" --variants "$variants" > "$OUT/fragments.log" 2>&1
@@ -201,19 +201,20 @@ for r in json.load(open(sys.argv[1]))[1:]: print(r['preset'], f\"{r['B']}x{r['L'
     ;;
 profile)
     # Nsight Compute on the fragment kernel (what holds it at 1.4 TB/s: latency, the L1's wavefronts from its
-    # 2-byte loads of 8 rows at once, or issue): one launch a (preset, prefetch), the full set, as text
+    # 2-byte loads of 8 rows at once (bench/load_lines.py), or issue): one launch a (preset, loop), the full set
     NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
     [ -n "$NCU" ] || { echo "no ncu on this machine" >&2; exit 2; }
     for preset in $(echo ${PROFILE_PRESETS:-turboquant_4bit_nc,turboquant_k8v4} | tr , ' '); do
-        for pf in ${PROFILE_PREFETCH:-0 2}; do
-            step "ncu: $preset ${PROFILE_CASE:=64x32768} fragment kernel prefetch $pf stage ${PROFILE_STAGE:=0}"
+        for loop in ${PROFILE_LOOPS:-0:0 0:2}; do  # PREFETCH:STAGE
+            pf=${loop%:*} st=${loop#*:}
+            step "ncu: $preset ${PROFILE_CASE:=64x32768} fragment kernel prefetch $pf stage $st"
             timeout ${PROFILE_TIMEOUT:-150} "$NCU" --kernel-name regex:fragment_kernel --launch-skip 2 --launch-count 1 \
                 --set full --import-source no --print-units base \
                 python3 bench/profile_decode.py --preset $preset --case $PROFILE_CASE \
-                --variant "{\"kernel\": \"fragments\", \"prefetch\": $pf, \"stage\": $PROFILE_STAGE}" \
-                > "$OUT/ncu-$preset-p$pf-s$PROFILE_STAGE.txt" 2>&1
-            grep -E "Duration|DRAM Throughput|Memory Throughput|L1/TEX Hit|Registers Per|Achieved Occupancy|Issue Slots Busy|Warp Cycles Per Issued|Stall|uncoalesced|excessive" \
-                "$OUT/ncu-$preset-p$pf-s$PROFILE_STAGE.txt" | head -20
+                --variant "{\"kernel\": \"fragments\", \"prefetch\": $pf, \"stage\": $st}" \
+                > "$OUT/ncu-$preset-p$pf-s$st.txt" 2>&1
+            grep -E "Duration|DRAM Throughput|Memory Throughput|L1/TEX Hit|Registers Per|Achieved Occupancy|Issue Slots Busy|Warp Cycles Per Issued|Stall|uncoalesced|excessive|Wavefronts" \
+                "$OUT/ncu-$preset-p$pf-s$st.txt" | head -24
         done
     done
     ;;
