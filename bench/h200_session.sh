@@ -179,7 +179,7 @@ fragments)
     # then all timed against the stream kernel in one command. FRAG_CHECK_LOOPS="" skips the checks,
     # FRAG_LOOPS="" the timing (to split them over two calls of 10 minutes)
     : ${FRAG_PRESETS:=turboquant_4bit_nc,turboquant_k8v4} ${FRAG_CASES:=64x32768,1x32768,64x4096}
-    for loop in ${FRAG_CHECK_LOOPS-0:2 0:1 2:2 2:0}; do
+    for loop in ${FRAG_CHECK_LOOPS-0:2 0:1 1:2 2:2 2:0}; do
         step "fragment kernel, prefetch:stage $loop: check against the reference (TQKV_FRAGMENT_KERNEL=1)"
         TQKV_FRAGMENT_KERNEL=1 TQKV_FRAGMENT_PREFETCH=${loop%:*} TQKV_FRAGMENT_STAGE=${loop#*:} \
             timeout ${FRAG_CHECK_TIMEOUT:-240} python3 -m tqkv_compile.bench_kernels --check --presets $FRAG_PRESETS \
@@ -190,7 +190,7 @@ fragments)
         variants=$(python3 -c "import json, sys
 one = [{}] + [{'kernel': 'fragments', 'prefetch': int(l.split(':')[0]), 'stage': int(l.split(':')[1])}
               for l in sys.argv[1].split()]
-print(json.dumps(one + one))" "${FRAG_LOOPS:=0:0 0:1 0:2 2:0 2:2}")
+print(json.dumps(one + one))" "${FRAG_LOOPS:=0:0 0:1 0:2 1:2 2:0 2:2}")
         step "fragment kernel against the stream kernel: $FRAG_PRESETS at $FRAG_CASES: $variants"
         timeout ${FRAG_TIMEOUT:-420} python3 -m tqkv_compile.bench_kernels --tune --presets $FRAG_PRESETS \
             --cases $FRAG_CASES --out "$OUT/h200-fragments.json" --variants "$variants" > "$OUT/fragments.log" 2>&1

@@ -127,7 +127,8 @@ def default_stage() -> int:
 def maxnreg(dim: int, prefetch: int = 0) -> int:
     """The register cap: 4 programs an SM at head 128 (123 registers, no spills with triton 3.6), 168 at 256.
     Words prefetched a tile ahead (``prefetch`` 2) hold ~40 registers more: 168 at head 128 (3 programs an SM),
-    255 at 256 (2)."""
+    255 at 256 (2). (Block ids a tile ahead, ``prefetch`` 1, at head 256 with STAGE 1 / 2: 8-16 bytes of spills
+    under 168, triton 3.6.)"""
     if prefetch == 2:
         return 168 if dim <= 128 else 255
     return 128 if dim <= 128 else 168
@@ -369,8 +370,9 @@ if gluon is not None:
                     ROW_WORDS: gl.constexpr, ROW_SLOTS: gl.constexpr, FIELD_ROWS: gl.constexpr,
                     H_POS: gl.constexpr):
         """Everything the tile at ``start`` reads from the cache, given its block ids (``kb``, ``vb``: the key
-        rows' and the value positions' copies): the key words, the value words, and a position's key norm,
-        value scale and value zero (fp32; 0 past ``end``; fp8 keys have no norm: zeros, never read).
+        rows' and the value positions' copies): the key words, the value words, and the fields, each position's
+        key norm, value scale and value zero (fp16, 0 past ``end``; fp8 keys have no norm: the scale in its
+        place, never read), for :func:`_fields`.
         ``STAGE`` 0: the words as the fragments hold them (``KEY_WORDS`` / ``VALUE_WORDS``: a load instruction
         of a warp reads 8 bytes of each of 8 positions); 1 and 2: as ``ROW_WORDS`` (a warp's instruction reads
         consecutive words of one position), 16-bit (1) or extended to 32 (2), for the kernel to move into the
