@@ -5,7 +5,7 @@ lines than the ~466 cycles it has at the H200's bandwidth (8.6 KB for 4bit_nc at
 at that bandwidth, however few instructions it issues. A model, not a measurement: it takes the cache as vLLM
 lays it out ([blocks, 16, kv heads, slot bytes]) with random block ids, and ignores what the L1 merges.
 
-    python bench/load_lines.py                          # 4bit_nc and k8v4, head 128
+    python bench/load_lines.py                          # vLLM's four presets, head 128
     python bench/load_lines.py --preset tqkv_4bit_pc --trials 1000
 """
 
@@ -53,9 +53,22 @@ def tile_lines(preset, rng: random.Random) -> dict[str, int]:
         for row in range(16):  # rows: a warp's instruction reads 32 consecutive words of one position
             pos = 16 * w + row
             for first in range(0, preset.head_dim // 4, 32):
-                out["keys_rows"] += _lines([slot(pos) + key_word * (first + lane) for lane in range(32)], key_word)
-                out["values_rows"] += _lines([slot(pos) + preset.key_bytes + 2 * (first + lane)
-                                              for lane in range(32)], 2)
+                if preset.key_bits != 3 or preset.key_fp8:
+                    out["keys_rows"] += _lines([slot(pos) + key_word * (first + lane) for lane in range(32)],
+                                               key_word)
+                if preset.value_bits != 3:
+                    out["values_rows"] += _lines([slot(pos) + preset.key_bytes + 2 * (first + lane)
+                                                  for lane in range(32)], 2)
+        # 3-bit fields (STAGE 1 / 2): lane (group g, row) reads words 3 g .. 3 g + 3, 4 positions an instruction
+        groups = preset.head_dim // 16
+        for rows in range(4):
+            for j in range(4):
+                for rep in range(max(1, groups // 8)):
+                    spots = [(16 * w + 4 * rows + q, 3 * (8 * rep + g) + j) for q in range(4) for g in range(8)]
+                    if preset.key_bits == 3 and not preset.key_fp8:
+                        out["keys_rows"] += _lines([slot(p) + 2 * word for p, word in spots], 2)
+                    if preset.value_bits == 3:
+                        out["values_rows"] += _lines([slot(p) + preset.key_bytes + 2 * word for p, word in spots], 2)
         fields = ([preset.key_code_bytes] if not preset.key_fp8 else []) + \
             [preset.key_bytes + preset.value_code_bytes, preset.key_bytes + preset.value_code_bytes + 2]
         for r in range(2):
@@ -69,11 +82,11 @@ def tile_lines(preset, rng: random.Random) -> dict[str, int]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--preset", action="append", help="repeatable; default 4bit_nc and k8v4")
+    parser.add_argument("--preset", action="append", help="repeatable; default vLLM's four presets")
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--trials", type=int, default=400)
     args = parser.parse_args()
-    for name in args.preset or ["turboquant_4bit_nc", "turboquant_k8v4"]:
+    for name in args.preset or ["turboquant_4bit_nc", "turboquant_k8v4", "turboquant_k3v4_nc", "turboquant_3bit_nc"]:
         preset = tqkv_compile.get_preset(name, args.head_dim)
         rng = random.Random(0)
         sums: dict[str, float] = {}

@@ -184,6 +184,8 @@ def fragment_kernel(preset_name: str, dim: int, maxnreg: int | None, prefetch: i
         constexprs.update(STAGE=stage)
     if "H_POS" in g.fragment_kernel.arg_names:  # (the launcher's: a position's stride in 2-byte units, 8 kv heads)
         constexprs.update(H_POS=8 * p.slot_bytes // 2 if stage else 0)
+    if "KEY_BITS" in g.fragment_kernel.arg_names:
+        constexprs.update(KEY_BITS=0 if p.key_fp8 else p.key_bits, VALUE_BITS=p.value_bits)
     elif stage:
         raise SystemExit("this tree's fragment kernel has no STAGE")
     pointers = dict(q_ptr="*fp32", cache_ptr="*u8", block_table_ptr="*i32", seq_lens_ptr="*i32", qsl_ptr="*i32",

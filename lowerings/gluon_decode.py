@@ -29,8 +29,14 @@ tile (warp w: positions 16 w .. 16 w + 15 for the keys), head size D = 128 or 25
   uniform and keeps it in registers (otherwise it re-copied it from uniform registers before every use: 70 of
   558 SASS a tile).
 
+Loops (constexprs, opt-in and untimed until a GPU session): STAGE 1 / 2 load a position's words as a warp's run
+and move them into the layouts above through shared memory (each thread loading its fragments' own words makes
+a warp's load instruction touch 8-11 cache lines: ``bench/load_lines.py``), and read 3-bit fields too: a
+group's three words in one thread, repacked into the 4-bit words' format (:func:`_spread3x8`) before the move,
+3-bit keys looked up by :func:`_lut3_pairs`; PREFETCH 1 / 2 load a tile ahead.
+
 Status: checked against the reference on an H200 (heads 128 and 256; 0 failures, worst relative error 5.9e-3)
-and timed there (2026-12-05): :func:`preferred` says where it wins, and the launcher takes it there by default
+and timed there (2026-12-05, STAGE 0 / PREFETCH 0): :func:`preferred` says where it wins, and the launcher takes it there by default
 (``TQKV_FRAGMENT_KERNEL=0`` turns it off, ``=1`` takes it wherever it can serve the call; or
 ``decode_attention(kernel="fragments")``); ``tqkv bench kernels --check`` is its correctness test on a GPU. Contract: :func:`_decode_stream_kernel`'s
 (partials and their base-2 log-sum-exp for the merge kernel), with the query from :func:`prepare_query`.
@@ -76,6 +82,8 @@ def preferred(preset: Preset, rows: int, max_len: int) -> bool:
     keys for batches above 1 or tables of 16384 positions and more, fp8 keys for batches of 16 and more."""
     if preset.key_fp8:
         return rows >= 16
+    if preset.key_bits == 3 or preset.value_bits == 3:  # (read at STAGE 1 / 2 only, never timed: opt-in)
+        return False
     return rows > 1 or max_len >= 16384
 
 
@@ -134,16 +142,22 @@ def maxnreg(dim: int, prefetch: int = 0) -> int:
     return 128 if dim <= 128 else 168
 
 
-def supports(preset: Preset, kv_cache: torch.Tensor, group: int, device: torch.device) -> str | None:
-    """None where the kernel can serve the call, else why not (a sentence)."""
+def supports(preset: Preset, kv_cache: torch.Tensor, group: int, device: torch.device,
+             stage: int | None = None) -> str | None:
+    """None where the kernel can serve the call at ``stage`` (default :func:`default_stage`), else why not (a
+    sentence). 3-bit fields (turboquant_k3v4_nc, turboquant_3bit_nc) are read at STAGE 1 / 2 only: their words
+    are repacked into the 4-bit words' format in the row layout, before the move."""
     if gluon is None:
         return "this triton has no Gluon"
     if device.type != "cuda":
         return "the fragment kernel runs on CUDA GPUs only (Gluon has no interpreter)"
     if torch.cuda.get_device_capability(device) < (8, 0):
         return "mma.sync m16n8k16 needs compute capability 8.0 or later"
-    if not (preset.key_fp8 or preset.key_bits == 4) or preset.value_bits != 4 or not preset.vllm_layout:
-        return f"{preset.name}: the fragment kernel reads 4-bit or fp8 keys with 4-bit uniform values only"
+    stage = default_stage() if stage is None else stage
+    if not (preset.key_fp8 or preset.key_bits in (3, 4)) or preset.value_bits not in (3, 4) or not preset.vllm_layout:
+        return f"{preset.name}: the fragment kernel reads vLLM's layouts only (3- or 4-bit or fp8 keys, 3- or 4-bit values)"
+    if (preset.key_bits == 3 and not preset.key_fp8 or preset.value_bits == 3) and stage == 0:
+        return f"{preset.name}: 3-bit fields are read at TQKV_FRAGMENT_STAGE 1 or 2 only (the 4-bit or fp8 keys with 4-bit uniform values at any)"
     if preset.head_dim not in (128, 256):
         return f"head size {preset.head_dim}: the fragment kernel serves 128 and 256"
     if group > 8:
@@ -197,6 +211,17 @@ def layouts(dim: int) -> dict:
         reg_bases=[[1, 0], [2, 0], [4, 0], [8, 0]] + [[0, 32 * k] for k in _bits(dim // 128)],
         lane_bases=[[0, 1], [0, 2], [0, 4], [0, 8], [0, 16]], warp_bases=[[16, 0], [32, 0]], block_bases=[],
         shape=[BLOCK_N, dim // 4])
+    # 3-bit fields' words [64, D / 4], column 4 g + j = word 3 g + j: lane (bits 0-2) the group g, (bits 3-4) rows
+    # 1, 2; registers j, then rows 4, 8 (and groups past 8 at head 256): a group's three words in one thread,
+    # 4 positions a warp's instruction; their slot offsets as ROW_SLOTS' (registers 0, 1 broadcast)
+    row3_words = gl.DistributedLinearLayout(
+        reg_bases=[[0, 1], [0, 2], [4, 0], [8, 0]] + [[0, 32 * k] for k in _bits(dim // 128)],
+        lane_bases=[[0, 4], [0, 8], [0, 16], [1, 0], [2, 0]], warp_bases=[[16, 0], [32, 0]], block_bases=[],
+        shape=[BLOCK_N, dim // 4])
+    row3_slots = gl.DistributedLinearLayout(
+        reg_bases=[[0, 0], [0, 0], [0, 4], [0, 8]] + [[0, 0] for _ in _bits(dim // 128)],
+        lane_bases=[[0, 0], [0, 0], [0, 0], [0, 1], [0, 2]], warp_bases=[[1, 0], [2, 0]], block_bases=[],
+        shape=[4, 16])
     # their slot offsets [4 groups of 16 positions, 16]: a thread the 16 of its warp's group
     row_slots = gl.DistributedLinearLayout(
         reg_bases=[[0, 1], [0, 2], [0, 4], [0, 8]], lane_bases=[[0, 0]] * 5, warp_bases=[[1, 0], [2, 0]],
@@ -209,7 +234,9 @@ def layouts(dim: int) -> dict:
     field_regs = gl.DistributedLinearLayout(
         reg_bases=[[0, 1], [0, 2], [8, 0]], lane_bases=[[0, 0], [0, 0], [1, 0], [2, 0], [4, 0]],
         warp_bases=[[16, 0], [32, 0]], block_bases=[], shape=[BLOCK_N, 4])
-    return dict(ROW_WORDS=row_words, ROW_SLOTS=row_slots, FIELD_ROWS=field_rows, FIELD_REGS=field_regs, MMA=mma, A_OP=gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2),
+    return dict(ROW_WORDS=row_words, ROW_SLOTS=row_slots, ROW3_WORDS=row3_words, ROW3_SLOTS=row3_slots,
+                FIELD_ROWS=field_rows, FIELD_REGS=field_regs, MMA=mma,
+                A_OP=gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2),
                 B_OP=gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2),
                 KEY_WORDS=key_words, VALUE_WORDS=value_words, KEY_SLOTS=key_slots, VALUE_SLOTS=value_slots)
 
@@ -334,6 +361,61 @@ if gluon is not None:
                                          is_pure=True, pack=1)
 
     @gluon.jit
+    def _spread3x8(v):
+        """int32: eight 3-bit codes in bits 0..23 of ``v`` (the bits above ignored) -> two words of four 4-bit
+        codes each (nibble i = code i, bit 3 clear: the 4-bit words' format) in the low halves of two int32s:
+        codes 0-3 (the first also holds codes 4-7 in its high half, which the lookups never read), codes 4-7.
+        Three shift-and-merge steps move the fields apart: 12-bit halves to 16 bits, 6-bit quarters to bytes,
+        3-bit codes to nibbles."""
+        return gl.inline_asm_elementwise(
+            """{
+            .reg .b32 t, u;
+            shl.b32 u, $2, 4;
+            and.b32 t, $2, 0xFFF;
+            lop3.b32 t, u, 0x0FFF0000, t, 0xEA;
+            shl.b32 u, t, 2;
+            and.b32 t, t, 0x003F003F;
+            lop3.b32 t, u, 0x3F003F00, t, 0xEA;
+            shl.b32 u, t, 1;
+            and.b32 t, t, 0x07070707;
+            lop3.b32 $0, u, 0x70707070, t, 0xEA;
+            shr.u32 $1, $0, 16;
+            }""",
+            "=r,=r,r", [v], dtype=(gl.int32, gl.int32), is_pure=True, pack=1)
+
+    @gluon.jit
+    def _lut3_pairs(words, t0, t1, t4, t5):
+        """int32 words (low 16 bits: four 3-bit codes as nibbles, bit 3 clear) -> the fp16 pairs (codes 0, 1) and
+        (codes 2, 3) from the key table's first eight entries (:func:`_lut4_pairs` without the upper half: the
+        words are the byte selectors themselves)."""
+        return gl.inline_asm_elementwise(
+            """{
+            .reg .b32 lo, hi;
+            prmt.b32 lo, $4, $6, $2;
+            prmt.b32 hi, $8, $10, $2;
+            prmt.b32 $0, lo, hi, 0x5140;
+            prmt.b32 $1, lo, hi, 0x7362;
+            }""",
+            "=r,=r,r,r,r,r,r,r,r,r,r,r",
+            [gl.join(words, words), t0, t1, t4, t5],  # pack=2: the asm reads the first copy
+            dtype=(gl.float16, gl.float16), is_pure=True, pack=2)
+
+    @gluon.jit
+    def _three_bit_words(halves, ROWS_N: gl.constexpr, GROUPS: gl.constexpr):
+        """A [rows, 4 G] tile of 16-bit words, columns 4 g + j = word 3 g + j of the 3-bit field (j = 3: the
+        next group's first word, unused) -> int32 [rows, 4 G]: column 4 g + k the 4-bit-format word of codes
+        16 g + 4 k .. + 3. Three little-endian words hold 16 codes, code i at bit 3 i (codec.pack_codes)."""
+        h = gl.reshape(halves.to(gl.int32), [ROWS_N, GROUPS, 2, 2])  # [row, g, j // 2, j % 2]
+        even, odd = gl.split(h)
+        h0, h2 = gl.split(even)
+        h1, _ = gl.split(odd)
+        first0, first1 = _spread3x8(h0 | (h1 << 16))  # codes 0-7: bits 0 .. 23 of the 48
+        second0, second1 = _spread3x8((h1 | (h2 << 16)) >> 8)  # codes 8-15: bits 24 .. 47
+        low = gl.join(first0, second0)  # words 0 and 2
+        high = gl.join(first1, second1)  # words 1 and 3
+        return gl.reshape(gl.join(low, high), [ROWS_N, 4 * GROUPS])  # [row, g, k // 2, k % 2]
+
+    @gluon.jit
     def _lane_parity():
         return gl.inline_asm_elementwise(
             """{
@@ -368,7 +450,8 @@ if gluon is not None:
                     VALUE_CODE_BYTES: gl.constexpr, BLOCK: gl.constexpr, BLOCK_SIZE: gl.constexpr,
                     KEY_WORDS: gl.constexpr, VALUE_WORDS: gl.constexpr, ROWS: gl.constexpr, STAGE: gl.constexpr,
                     ROW_WORDS: gl.constexpr, ROW_SLOTS: gl.constexpr, FIELD_ROWS: gl.constexpr,
-                    H_POS: gl.constexpr):
+                    H_POS: gl.constexpr, KEY_BITS: gl.constexpr, VALUE_BITS: gl.constexpr,
+                    ROW3_WORDS: gl.constexpr, ROW3_SLOTS: gl.constexpr):
         """Everything the tile at ``start`` reads from the cache, given its block ids (``kb``, ``vb``: the key
         rows' and the value positions' copies): the key words, the value words, and the fields, each position's
         key norm, value scale and value zero (fp16, 0 past ``end``; fp8 keys have no norm: the scale in its
@@ -387,17 +470,36 @@ if gluon is not None:
             rm = gl.arange(0, km.shape[0], layout=gl.SliceLayout(0, ROW_WORDS))
             rows = gl.reshape((hptr + rbase)[:, None] + (rp * H_POS)[None, :], [BLOCK])
             rows = gl.convert_layout(rows, gl.SliceLayout(1, ROW_WORDS), assert_trivial=True)
+            if KEY_BITS == 3 or VALUE_BITS == 3:  # 3-bit fields: a group's three words a lane (ROW3_WORDS)
+                r3b = gl.convert_layout(kb, gl.SliceLayout(1, ROW3_SLOTS))
+                r3g = gl.arange(0, 4, layout=gl.SliceLayout(1, ROW3_SLOTS))
+                r3p = gl.arange(0, 16, layout=gl.SliceLayout(0, ROW3_SLOTS))
+                r3base = _group_base(r3b, start, r3g, h_blk, h_base, H_POS, BLOCK_SIZE)
+                rows3 = gl.reshape((hptr + r3base)[:, None] + (r3p * H_POS)[None, :], [BLOCK])
+                rows3 = gl.convert_layout(rows3, gl.SliceLayout(1, ROW3_WORDS), assert_trivial=True)
+                c3 = gl.arange(0, km.shape[0], layout=gl.SliceLayout(0, ROW3_WORDS))
+                c3 = 3 * (c3 >> 2) + (c3 & 3)  # word 3 g + j (j = 3 reads the next group's first: inside the slot)
             if KEY_FP8:  # (4-byte aligned slots and strides: supports())
                 krows = gl.reshape((wptr + (rbase >> 1))[:, None] + (rp * (H_POS // 2))[None, :], [BLOCK])
                 krows = gl.convert_layout(krows, gl.SliceLayout(1, ROW_WORDS), assert_trivial=True)
                 kw = gl.load(krows[:, None] + rm[None, :])
+            elif KEY_BITS == 3:  # repacked into the 4-bit keys' words in registers, then moved like them
+                kw = _three_bit_words(gl.load(rows3[:, None] + c3[None, :]), BLOCK, km.shape[0] // 4)
+                if STAGE == 1:
+                    kw = kw.to(gl.uint16)
             elif STAGE == 1:  # (16-bit: half the shared memory traffic of the move; extended after it)
                 kw = gl.load(rows[:, None] + rm[None, :])
             else:  # (2: extended first, moved as 32-bit words: fewer instructions to pack and unpack)
                 kw = _word(gl.load(rows[:, None] + rm[None, :]))
-            vw = gl.load(rows[:, None] + (VALUE_OFFSET // 2 + rm)[None, :])
-            if STAGE == 2:
-                vw = _word(vw)
+            if VALUE_BITS == 3:
+                vw = _three_bit_words(gl.load(rows3[:, None] + (VALUE_OFFSET // 2 + c3)[None, :]), BLOCK,
+                                      km.shape[0] // 4)
+                if STAGE == 1:
+                    vw = vw.to(gl.uint16)
+            else:
+                vw = gl.load(rows[:, None] + (VALUE_OFFSET // 2 + rm)[None, :])
+                if STAGE == 2:
+                    vw = _word(vw)
         else:
             kslot = _slots(kb, start, kg, kp, h_blk, h_pos, h_base, BLOCK, BLOCK_SIZE)
             kslot = gl.convert_layout(kslot, gl.SliceLayout(1, KEY_WORDS), assert_trivial=True)
@@ -454,7 +556,8 @@ if gluon is not None:
                         MMA: gl.constexpr, A_OP: gl.constexpr, B_OP: gl.constexpr, KEY_WORDS: gl.constexpr,
                         VALUE_WORDS: gl.constexpr, KEY_SLOTS: gl.constexpr, VALUE_SLOTS: gl.constexpr,
                         ROW_WORDS: gl.constexpr, ROW_SLOTS: gl.constexpr, FIELD_ROWS: gl.constexpr,
-                        FIELD_REGS: gl.constexpr, H_POS: gl.constexpr,
+                        FIELD_REGS: gl.constexpr, H_POS: gl.constexpr, KEY_BITS: gl.constexpr,
+                        VALUE_BITS: gl.constexpr, ROW3_WORDS: gl.constexpr, ROW3_SLOTS: gl.constexpr,
                         STAGE: gl.constexpr):
         BLOCK: gl.constexpr = 64
         KT: gl.constexpr = D // 16
@@ -541,7 +644,8 @@ if gluon is not None:
             kw, vw, fields = _tile_loads(
                 hptr, wptr, fptr, kb, vb, begin, end, kg, kp, vgr, vp, km, vm, sn, h_blk, h_pos, head_base,
                 KEY_FP8, KEY_CODE_BYTES, VALUE_OFFSET, VALUE_CODE_BYTES, BLOCK, BLOCK_SIZE, KEY_WORDS, VALUE_WORDS,
-                ROWS, STAGE, ROW_WORDS, ROW_SLOTS, FIELD_ROWS, H_POS)
+                ROWS, STAGE, ROW_WORDS, ROW_SLOTS, FIELD_ROWS, H_POS, KEY_BITS,
+                VALUE_BITS, ROW3_WORDS, ROW3_SLOTS)
             kb = _block_ids(bt_row, s_bm, begin + BLOCK, end, kg, BLOCK_SIZE)
             vb = _block_ids(bt_row, s_bm, begin + BLOCK, end, vgr, BLOCK_SIZE) if STAGE == 0 else kb
         for start in range(begin, end, BLOCK):
@@ -551,7 +655,8 @@ if gluon is not None:
                 kw_next, vw_next, fields_next = _tile_loads(
                     hptr, wptr, fptr, kb, vb, start + BLOCK, end, kg, kp, vgr, vp, km, vm, sn, h_blk, h_pos,
                     head_base, KEY_FP8, KEY_CODE_BYTES, VALUE_OFFSET, VALUE_CODE_BYTES, BLOCK, BLOCK_SIZE, KEY_WORDS,
-                    VALUE_WORDS, ROWS, STAGE, ROW_WORDS, ROW_SLOTS, FIELD_ROWS, H_POS)
+                    VALUE_WORDS, ROWS, STAGE, ROW_WORDS, ROW_SLOTS, FIELD_ROWS, H_POS, KEY_BITS,
+                VALUE_BITS, ROW3_WORDS, ROW3_SLOTS)
             else:
                 if PREFETCH == 1:
                     kb_next = _block_ids(bt_row, s_bm, start + BLOCK, end, kg, BLOCK_SIZE)
@@ -562,7 +667,8 @@ if gluon is not None:
                 kw, vw, fields = _tile_loads(
                     hptr, wptr, fptr, kb, vb, start, end, kg, kp, vgr, vp, km, vm, sn, h_blk, h_pos, head_base,
                     KEY_FP8, KEY_CODE_BYTES, VALUE_OFFSET, VALUE_CODE_BYTES, BLOCK, BLOCK_SIZE, KEY_WORDS,
-                    VALUE_WORDS, ROWS, STAGE, ROW_WORDS, ROW_SLOTS, FIELD_ROWS, H_POS)
+                    VALUE_WORDS, ROWS, STAGE, ROW_WORDS, ROW_SLOTS, FIELD_ROWS, H_POS, KEY_BITS,
+                VALUE_BITS, ROW3_WORDS, ROW3_SLOTS)
             valid = start + sn < end
             knorm, vscale, vzero = _fields(fields, ROWS, FIELD_REGS, STAGE)
 
@@ -582,6 +688,8 @@ if gluon is not None:
             # ---- keys: scores^T [64, 8] = K . q^T
             if KEY_FP8:
                 low, high = _fp8_pairs(kf)
+            elif KEY_BITS == 3:
+                low, high = _lut3_pairs(kf, t0, t1, t4, t5)
             else:
                 low, high = _lut4_pairs(kf, t0, t1, t2, t3, t4, t5, t6, t7)
             x = gl.permute(gl.join(low, high), (0, 1, 3, 2))  # [64, m, r2, b]
@@ -652,5 +760,6 @@ def launch(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, s
         GROUP=group, D=preset.head_dim, BLOCK_SIZE=kv_cache.shape[1], NUM_SPLITS=splits, SEARCH_STEPS=search_steps,
         KEY_FP8=preset.key_fp8, NORM_CORRECTION=preset.norm_correction, KEY_CODE_BYTES=preset.key_code_bytes, VALUE_OFFSET=preset.key_bytes,
         VALUE_CODE_BYTES=preset.value_code_bytes, PREFETCH=prefetch, STAGE=stage,
-        H_POS=kv_cache.stride(1) // 2 if stage else 0, **layouts(preset.head_dim),
+        H_POS=kv_cache.stride(1) // 2 if stage else 0, KEY_BITS=0 if preset.key_fp8 else preset.key_bits,
+        VALUE_BITS=preset.value_bits, **layouts(preset.head_dim),
         num_warps=NUM_WARPS, maxnreg=regs or maxnreg(preset.head_dim, prefetch))

@@ -1002,7 +1002,7 @@ def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: t
                                                                                   max_len, query.device):
             kernel = "fragments"  # where it is faster (not traced by Inductor: launched here)
     elif kernel == "fragments":
-        if (why := gluon_decode.supports(preset, kv_cache, group, query.device)) is not None:
+        if (why := gluon_decode.supports(preset, kv_cache, group, query.device, stage)) is not None:
             raise ValueError(f"kernel='fragments': {why}")
         if launch is not _plain_launch:
             raise ValueError("kernel='fragments': a Gluon kernel is not launched from Inductor's code (yet)")

@@ -44,7 +44,7 @@ def asm_text(fn) -> str:
 
 
 def execute(text: str, regs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """Run inline-PTX ``text`` (and, shl, prmt, lop3, mov into 16-bit halves) on uint32 arrays given by operand
+    """Run inline-PTX ``text`` (and, shl, shr.u32, prmt, lop3, mov into 16-bit halves) on uint32 arrays given by operand
     name (all one shape); every register it writes, operands included, alongside the inputs."""
     regs = dict(regs)
     shape = next(iter(regs.values())).shape
@@ -70,6 +70,8 @@ def execute(text: str, regs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
             regs[dst] = val(src[0]) & val(src[1])
         elif op == "shl.b32":
             regs[dst] = (val(src[0]) << int(src[1], 0)) & 0xFFFFFFFF
+        elif op == "shr.u32":
+            regs[dst] = val(src[0]) >> int(src[1], 0)
         elif op == "prmt.b32":
             regs[dst] = _prmt(val(src[0]), val(src[1]), val(src[2]))
         elif op == "lop3.b32":

@@ -22,7 +22,16 @@ from tqkv_compile.lowerings import gluon_decode, triton_attention  # noqa: E402
 
 def _emulate(fn, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """Run the inline PTX of a Gluon function on uint32 arrays given by operand name (test_asm_emulation's
-    interpreter); every register it writes, operands included."""
+    interpreter); every register it writes, operands included. First: its constraint string declares every
+    operand the asm names (with pack=2 each input is passed twice; a short string compiles with one Triton and
+    aborts another)."""
+    import inspect
+    import re
+
+    source = inspect.getsource(getattr(fn, "fn", fn))
+    constraints = re.search(r'\}""",\s*"([^"]+)"', source).group(1).split(",")
+    used = max(int(n) for n in re.findall(r"\$(\d+)", asm_text(fn)))
+    assert used < len(constraints), (fn, used, constraints)
     return execute(asm_text(fn), {k: v.astype(np.uint32) for k, v in inputs.items()})
 
 
@@ -95,7 +104,8 @@ for name, dim, prefetch, stage in json.loads(sys.argv[1]):
     p = tqkv_compile.get_preset(name, dim)
     constexprs = dict(GROUP=4, D=dim, BLOCK_SIZE=16, NUM_SPLITS=2, SEARCH_STEPS=7, KEY_FP8=p.key_fp8,
                       NORM_CORRECTION=p.norm_correction, PREFETCH=prefetch, STAGE=stage,
-                      H_POS=8 * p.slot_bytes // 2 if stage else 0,
+                      H_POS=8 * p.slot_bytes // 2 if stage else 0, KEY_BITS=0 if p.key_fp8 else p.key_bits,
+                      VALUE_BITS=p.value_bits,
                       KEY_CODE_BYTES=p.key_code_bytes, VALUE_OFFSET=p.key_bytes, VALUE_CODE_BYTES=p.value_code_bytes,
                       **gluon_decode.layouts(dim))
     fn = gluon_decode.fragment_kernel
@@ -127,7 +137,8 @@ def test_fragment_kernel_compiles_for_hopper_with_no_tile_through_shared_memory(
 
     cases = [["tqkv_4bit_pc", 128, 0, 0], ["turboquant_4bit_nc", 128, 0, 0], ["turboquant_4bit_nc", 256, 0, 0],
              ["turboquant_k8v4", 128, 0, 0], ["turboquant_4bit_nc", 128, 2, 0], ["turboquant_k8v4", 128, 2, 0],
-             ["turboquant_4bit_nc", 128, 0, 1], ["turboquant_4bit_nc", 256, 2, 2], ["turboquant_k8v4", 128, 2, 2]]
+             ["turboquant_4bit_nc", 128, 0, 1], ["turboquant_4bit_nc", 256, 2, 2], ["turboquant_k8v4", 128, 2, 2],
+             ["turboquant_k3v4_nc", 128, 0, 2], ["turboquant_3bit_nc", 128, 0, 1], ["turboquant_3bit_nc", 256, 2, 2]]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-c", _COMPILE, json.dumps(cases)], capture_output=True, text=True,
                           env=env, timeout=600)
@@ -166,8 +177,15 @@ def test_the_launcher_takes_it_only_where_it_can(monkeypatch):
     k3 = tqkv_compile.get_preset("turboquant_k3v4_nc", 128)
     meta = type("Cuda", (), {"type": "cuda"})()
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    assert "4-bit or fp8" in gluon_decode.supports(k3, torch.zeros(4, 16, 2, k3.slot_bytes, dtype=torch.uint8), 4,
-                                                   meta)
+    k3_cache = torch.zeros(4, 16, 2, k3.slot_bytes, dtype=torch.uint8)
+    assert "STAGE 1 or 2" in gluon_decode.supports(k3, k3_cache, 4, meta)  # (the default stage: 0)
+    assert gluon_decode.supports(k3, k3_cache, 4, meta, stage=2) is None
+    b3 = tqkv_compile.get_preset("turboquant_3bit_nc", 128)
+    assert gluon_decode.supports(b3, torch.zeros(4, 16, 2, b3.slot_bytes, dtype=torch.uint8), 4, meta, stage=1) is None
+    assert not gluon_decode.preferred(k3, 64, 32768)  # opt-in: never timed
+    own = tqkv_compile.get_preset("tqkv_k4o1v225", 128)
+    assert "vLLM's layouts" in gluon_decode.supports(own, torch.zeros(4, 16, 2, own.slot_bytes, dtype=torch.uint8),
+                                                     4, meta, stage=2)
     k8 = tqkv_compile.get_preset("turboquant_k8v4", 128)
     assert gluon_decode.supports(k8, torch.zeros(4, 16, 2, k8.slot_bytes, dtype=torch.uint8), 4, meta) is None
     misaligned = torch.zeros(4, 16, 2, k8.slot_bytes + 2, dtype=torch.uint8)[..., : k8.slot_bytes]
@@ -261,3 +279,41 @@ def test_field_columns_come_apart_as_the_kernel_reads_them():
     assert torch.equal(out[1] - rows, torch.full((64,), columns["scale"], dtype=torch.int32))
     assert torch.equal(out[2] - rows, torch.full((64,), columns["zero"], dtype=torch.int32))
     assert torch.equal(out[3] - rows, torch.full((64,), 3, dtype=torch.int32))  # the fourth column: zero again
+
+
+def test_three_bit_codes_spread_into_the_four_bit_words():
+    """_spread3x8 (STAGE 1 / 2, 3-bit fields): eight 3-bit codes at bit 3 i of a 24-bit run -> nibble i of $0
+    (codes 0-3 in its low half, which is what the lookups read), and codes 4-7 in $1's low half, bit 3 of every
+    nibble clear, whatever the bits above 23 hold; the codes as codec.pack_codes lays them out, 2^20 random runs."""
+    from tqkv_compile import codec
+
+    rng = np.random.default_rng(0)
+    codes = rng.integers(0, 8, size=(1 << 20, 8))
+    packed = codec.pack_codes(torch.from_numpy(codes), 3).numpy().astype(np.uint32)  # [n, 3] bytes
+    garbage = rng.integers(0, 256, 1 << 20, dtype=np.uint32) << 24
+    runs = packed[:, 0] | (packed[:, 1] << 8) | (packed[:, 2] << 16) | garbage
+    regs = _emulate(gluon_decode._spread3x8, {"$2": runs})
+    assert not (regs["$1"] >> 16).any()
+    for i in range(8):
+        np.testing.assert_array_equal((regs["$0"] >> (4 * i)) & 0xF, codes[:, i])
+    for i in range(4):
+        np.testing.assert_array_equal((regs["$1"] >> (4 * i)) & 0xF, codes[:, 4 + i])
+
+
+def test_three_bit_lookup_gives_each_words_fp16_pairs():
+    """_lut3_pairs: a word of four 3-bit codes (nibbles, bit 3 clear) -> (table[c0], table[c1]) in $0 and
+    (table[c2], table[c3]) in $1 from the key table's low half; the word's high half is ignored."""
+    preset = tqkv_compile.get_preset("turboquant_k3v4_nc", 128)
+    table_words = triton_attention.key_lut(preset, torch.device("cpu")).tolist()
+    words = (np.arange(1 << 16, dtype=np.uint32) & 0x7777) | (np.uint32(0xA5C3) << 16)
+    inputs = {"$2": words, "$3": words}
+    for operand, index in (("$4", 0), ("$6", 1), ("$8", 4), ("$10", 5)):  # pack=2: each table word twice
+        inputs[operand] = inputs[f"${int(operand[1:]) + 1}"] = np.full_like(words, table_words[index] & 0xFFFFFFFF)
+    regs = _emulate(gluon_decode._lut3_pairs, inputs)
+    table = preset.centroids("cpu").to(torch.float16).numpy()
+    assert table.shape == (8,)
+    codes = [(words >> (4 * k)) & 0x7 for k in range(4)]
+    for out, (a, b) in (("$0", (0, 1)), ("$1", (2, 3))):
+        lo, hi = _halves(regs[out])
+        np.testing.assert_array_equal(lo, table[codes[a]])
+        np.testing.assert_array_equal(hi, table[codes[b]])
