@@ -66,9 +66,14 @@ ENV = "TQKV_FRAGMENT_KERNEL"
 def mode() -> str:
     """``TQKV_FRAGMENT_KERNEL``: ``auto`` (the default: :func:`preferred` decides), ``1`` (wherever it can serve
     the call), ``0`` (never: the stream kernel)."""
-    value = os.environ.get(ENV, "auto")
-    if value not in ("auto", "0", "1"):
-        raise ValueError(f"{ENV}={value!r}: expected auto, 0 or 1")
+    return _setting(ENV, "auto", ("auto", "0", "1"))
+
+
+def _setting(name: str, default: str, choices: tuple[str, ...]) -> str:
+    """Environment variable ``name`` (``default`` when unset), refused unless one of ``choices``."""
+    value = os.environ.get(name, default)
+    if value not in choices:
+        raise ValueError(f"{name}={value!r}: expected {', '.join(choices[:-1])} or {choices[-1]}")
     return value
 
 
@@ -109,10 +114,7 @@ def default_prefetch() -> int:
     loop timed on the H200 (2026-12-05). 1 loads a tile's block ids a tile ahead, 2 also its words (register
     double buffering); both are written for the next GPU session's A/B (bench/results/h200-kernels-notes.md) and
     untimed."""
-    value = os.environ.get(PREFETCH_ENV, "0")
-    if value not in ("0", "1", "2"):
-        raise ValueError(f"{PREFETCH_ENV}={value!r}: expected 0, 1 or 2")
-    return int(value)
+    return int(_setting(PREFETCH_ENV, "0", ("0", "1", "2")))
 
 
 STAGE_ENV = "TQKV_FRAGMENT_STAGE"
@@ -126,10 +128,7 @@ def default_stage() -> int:
     through shared memory, as 16-bit words (2: extended to 32 bits first: 16 KB of shared memory traffic a tile
     against 8, but ~35 fewer instructions packing and unpacking). Written for the next GPU session's A/B;
     untimed."""
-    value = os.environ.get(STAGE_ENV, "0")
-    if value not in ("0", "1", "2"):
-        raise ValueError(f"{STAGE_ENV}={value!r}: expected 0, 1 or 2")
-    return int(value)
+    return int(_setting(STAGE_ENV, "0", ("0", "1", "2")))
 
 
 def maxnreg(dim: int, prefetch: int = 0) -> int:
@@ -445,13 +444,26 @@ if gluon is not None:
         return block * h_blk + ((start + 16 * groups) % BLOCK_SIZE) * H_POS + h_base
 
     @gluon.jit
+    def _position_pointers(ptr, block, start, h_blk, h_base, SLOTS: gl.constexpr, OUT: gl.constexpr,
+                           H_POS: gl.constexpr, BLOCK: gl.constexpr, BLOCK_SIZE: gl.constexpr):
+        """``ptr`` + each position's slot offset [64] of the tile at ``start``, laid out as ``OUT`` (a [4, 16]
+        ``SLOTS`` layout reshaped): built in two steps, a group's base and then the position within the group as
+        a multiple of the constexpr stride, so that a thread's positions of one block differ by immediates."""
+        block = gl.convert_layout(block, gl.SliceLayout(1, SLOTS))  # (the same block id: warp w, group w)
+        groups = gl.arange(0, 4, layout=gl.SliceLayout(1, SLOTS))
+        within = gl.arange(0, 16, layout=gl.SliceLayout(0, SLOTS))
+        base = _group_base(block, start, groups, h_blk, h_base, H_POS, BLOCK_SIZE)
+        rows = gl.reshape((ptr + base)[:, None] + (within * H_POS)[None, :], [BLOCK])
+        return gl.convert_layout(rows, OUT, assert_trivial=True)
+
+    @gluon.jit
     def _tile_loads(hptr, wptr, fptr, kb, vb, start, end, kg, kp, vgr, vp, km, vm, sn, h_blk, h_pos, h_base,
                     KEY_FP8: gl.constexpr, KEY_CODE_BYTES: gl.constexpr, VALUE_OFFSET: gl.constexpr,
                     VALUE_CODE_BYTES: gl.constexpr, BLOCK: gl.constexpr, BLOCK_SIZE: gl.constexpr,
                     KEY_WORDS: gl.constexpr, VALUE_WORDS: gl.constexpr, ROWS: gl.constexpr, STAGE: gl.constexpr,
                     ROW_WORDS: gl.constexpr, ROW_SLOTS: gl.constexpr, FIELD_ROWS: gl.constexpr,
                     H_POS: gl.constexpr, KEY_BITS: gl.constexpr, VALUE_BITS: gl.constexpr,
-                    ROW3_WORDS: gl.constexpr, ROW3_SLOTS: gl.constexpr):
+                    ROW3_WORDS: gl.constexpr, ROW3_SLOTS: gl.constexpr, KEY_SLOTS: gl.constexpr):
         """Everything the tile at ``start`` reads from the cache, given its block ids (``kb``, ``vb``: the key
         rows' and the value positions' copies): the key words, the value words, and the fields, each position's
         key norm, value scale and value zero (fp16, 0 past ``end``; fp8 keys have no norm: the scale in its
@@ -461,28 +473,16 @@ if gluon is not None:
         consecutive words of one position), 16-bit (1) or extended to 32 (2), for the kernel to move into the
         fragments' layout."""
         if STAGE >= 1:  # a pointer a position, laid out along the rows of ROW_WORDS
-            # (built in two steps, a group's base and then the position within the group as a multiple of the
-            # constexpr stride, so that a thread's rows, consecutive positions of one block, differ by immediates)
-            rb = gl.convert_layout(kb, gl.SliceLayout(1, ROW_SLOTS))  # (the same block id: warp w, group w)
-            rg = gl.arange(0, 4, layout=gl.SliceLayout(1, ROW_SLOTS))
-            rp = gl.arange(0, 16, layout=gl.SliceLayout(0, ROW_SLOTS))
-            rbase = _group_base(rb, start, rg, h_blk, h_base, H_POS, BLOCK_SIZE)
+            rows = _position_pointers(hptr, kb, start, h_blk, h_base, ROW_SLOTS, gl.SliceLayout(1, ROW_WORDS),
+                                      H_POS, BLOCK, BLOCK_SIZE)
             rm = gl.arange(0, km.shape[0], layout=gl.SliceLayout(0, ROW_WORDS))
-            rows = gl.reshape((hptr + rbase)[:, None] + (rp * H_POS)[None, :], [BLOCK])
-            rows = gl.convert_layout(rows, gl.SliceLayout(1, ROW_WORDS), assert_trivial=True)
             if KEY_BITS == 3 or VALUE_BITS == 3:  # 3-bit fields: a group's three words a lane (ROW3_WORDS)
-                r3b = gl.convert_layout(kb, gl.SliceLayout(1, ROW3_SLOTS))
-                r3g = gl.arange(0, 4, layout=gl.SliceLayout(1, ROW3_SLOTS))
-                r3p = gl.arange(0, 16, layout=gl.SliceLayout(0, ROW3_SLOTS))
-                r3base = _group_base(r3b, start, r3g, h_blk, h_base, H_POS, BLOCK_SIZE)
-                rows3 = gl.reshape((hptr + r3base)[:, None] + (r3p * H_POS)[None, :], [BLOCK])
-                rows3 = gl.convert_layout(rows3, gl.SliceLayout(1, ROW3_WORDS), assert_trivial=True)
+                rows3 = _position_pointers(hptr, kb, start, h_blk, h_base, ROW3_SLOTS, gl.SliceLayout(1, ROW3_WORDS),
+                                           H_POS, BLOCK, BLOCK_SIZE)
                 c3 = gl.arange(0, km.shape[0], layout=gl.SliceLayout(0, ROW3_WORDS))
                 c3 = 3 * (c3 >> 2) + (c3 & 3)  # word 3 g + j (j = 3 reads the next group's first: inside the slot)
-            if KEY_FP8:  # (4-byte aligned slots and strides: supports())
-                krows = gl.reshape((wptr + (rbase >> 1))[:, None] + (rp * (H_POS // 2))[None, :], [BLOCK])
-                krows = gl.convert_layout(krows, gl.SliceLayout(1, ROW_WORDS), assert_trivial=True)
-                kw = gl.load(krows[:, None] + rm[None, :])
+            if KEY_FP8:  # 32-bit words (4-byte aligned slots and strides: supports())
+                kw = gl.load(rows.to(gl.pointer_type(gl.int32), bitcast=True)[:, None] + rm[None, :])
             elif KEY_BITS == 3:  # repacked into the 4-bit keys' words in registers, then moved like them
                 kw = _three_bit_words(gl.load(rows3[:, None] + c3[None, :]), BLOCK, km.shape[0] // 4)
                 if STAGE == 1:
@@ -515,9 +515,8 @@ if gluon is not None:
         scale_at: gl.constexpr = (VALUE_OFFSET + VALUE_CODE_BYTES) // 2
         norm_at: gl.constexpr = scale_at if KEY_FP8 else KEY_CODE_BYTES // 2  # (fp8 keys: no norm, never read)
         if STAGE >= 1:  # a [64, 4] tile, columns (norm, zero, scale, zero): a warp's instruction reads 8 positions
-            fbase = _group_base(kb, start, kg, h_blk, h_base, H_POS, BLOCK_SIZE)
-            frows = gl.reshape((fptr + fbase)[:, None] + (kp * H_POS)[None, :], [BLOCK])
-            frows = gl.convert_layout(frows, gl.SliceLayout(1, FIELD_ROWS), assert_trivial=True)
+            frows = _position_pointers(fptr, kb, start, h_blk, h_base, KEY_SLOTS, gl.SliceLayout(1, FIELD_ROWS),
+                                       H_POS, BLOCK, BLOCK_SIZE)
             fc = gl.arange(0, 4, layout=gl.SliceLayout(0, FIELD_ROWS))
             at = gl.where(fc == 0, norm_at, gl.where(fc == 2, scale_at, scale_at + 1))
             fvalid = start + gl.arange(0, BLOCK, layout=gl.SliceLayout(1, FIELD_ROWS)) < end
@@ -645,7 +644,7 @@ if gluon is not None:
                 hptr, wptr, fptr, kb, vb, begin, end, kg, kp, vgr, vp, km, vm, sn, h_blk, h_pos, head_base,
                 KEY_FP8, KEY_CODE_BYTES, VALUE_OFFSET, VALUE_CODE_BYTES, BLOCK, BLOCK_SIZE, KEY_WORDS, VALUE_WORDS,
                 ROWS, STAGE, ROW_WORDS, ROW_SLOTS, FIELD_ROWS, H_POS, KEY_BITS,
-                VALUE_BITS, ROW3_WORDS, ROW3_SLOTS)
+                VALUE_BITS, ROW3_WORDS, ROW3_SLOTS, KEY_SLOTS)
             kb = _block_ids(bt_row, s_bm, begin + BLOCK, end, kg, BLOCK_SIZE)
             vb = _block_ids(bt_row, s_bm, begin + BLOCK, end, vgr, BLOCK_SIZE) if STAGE == 0 else kb
         for start in range(begin, end, BLOCK):
@@ -656,7 +655,7 @@ if gluon is not None:
                     hptr, wptr, fptr, kb, vb, start + BLOCK, end, kg, kp, vgr, vp, km, vm, sn, h_blk, h_pos,
                     head_base, KEY_FP8, KEY_CODE_BYTES, VALUE_OFFSET, VALUE_CODE_BYTES, BLOCK, BLOCK_SIZE, KEY_WORDS,
                     VALUE_WORDS, ROWS, STAGE, ROW_WORDS, ROW_SLOTS, FIELD_ROWS, H_POS, KEY_BITS,
-                VALUE_BITS, ROW3_WORDS, ROW3_SLOTS)
+                VALUE_BITS, ROW3_WORDS, ROW3_SLOTS, KEY_SLOTS)
             else:
                 if PREFETCH == 1:
                     kb_next = _block_ids(bt_row, s_bm, start + BLOCK, end, kg, BLOCK_SIZE)
@@ -668,7 +667,7 @@ if gluon is not None:
                     hptr, wptr, fptr, kb, vb, start, end, kg, kp, vgr, vp, km, vm, sn, h_blk, h_pos, head_base,
                     KEY_FP8, KEY_CODE_BYTES, VALUE_OFFSET, VALUE_CODE_BYTES, BLOCK, BLOCK_SIZE, KEY_WORDS,
                     VALUE_WORDS, ROWS, STAGE, ROW_WORDS, ROW_SLOTS, FIELD_ROWS, H_POS, KEY_BITS,
-                VALUE_BITS, ROW3_WORDS, ROW3_SLOTS)
+                VALUE_BITS, ROW3_WORDS, ROW3_SLOTS, KEY_SLOTS)
             valid = start + sn < end
             knorm, vscale, vzero = _fields(fields, ROWS, FIELD_REGS, STAGE)
 
