@@ -29,16 +29,19 @@ tile (warp w: positions 16 w .. 16 w + 15 for the keys), head size D = 128 or 25
   uniform and keeps it in registers (otherwise it re-copied it from uniform registers before every use: 70 of
   558 SASS a tile).
 
-Loops (constexprs, opt-in and untimed until a GPU session): STAGE 1 / 2 load a position's words as a warp's run
-and move them into the layouts above through shared memory (each thread loading its fragments' own words makes
-a warp's load instruction touch 8-11 cache lines: ``bench/load_lines.py``), and read 3-bit fields too: a
-group's three words in one thread, repacked into the 4-bit words' format (:func:`_spread3x8`) before the move,
-3-bit keys looked up by :func:`_lut3_pairs`; PREFETCH 1 / 2 load a tile ahead.
+Loops (constexprs): STAGE 1 / 2 load a position's words as a warp's run and move them into the layouts above
+through shared memory (each thread loading its fragments' own words makes a warp's load instruction touch 8-11
+cache lines: ``bench/load_lines.py``), and read 3-bit fields too: a group's three words in one thread, repacked
+into the 4-bit words' format (:func:`_spread3x8`) before the move, 3-bit keys looked up by :func:`_lut3_pairs`;
+PREFETCH 1 / 2 load a tile ahead (untimed).
 
-Status: checked against the reference on an H200 (heads 128 and 256; 0 failures, worst relative error 5.9e-3)
-and timed there (2026-12-05, STAGE 0 / PREFETCH 0): :func:`preferred` says where it wins, and the launcher takes it there by default
-(``TQKV_FRAGMENT_KERNEL=0`` turns it off, ``=1`` takes it wherever it can serve the call; or
-``decode_attention(kernel="fragments")``); ``tqkv bench kernels --check`` is its correctness test on a GPU. Contract: :func:`_decode_stream_kernel`'s
+Status: checked against the reference on an H200 (heads 128 and 256; STAGE 0, 1 and 2: 0 failures, worst relative
+error 6.8e-3) and timed there (2026-12-05): STAGE 1 is the default (2 for 3-bit fields: :func:`default_stage`), :func:`preferred` says
+where the kernel wins, and the launcher takes it there by default (``TQKV_FRAGMENT_KERNEL=0`` turns it off,
+``=1`` takes it wherever it can serve the call; or ``decode_attention(kernel="fragments")``);
+``tqkv bench kernels --check`` is its correctness test on a GPU. What holds it now (Nsight Compute, 64 x 32768,
+``h200-ncu-fragments.txt``): latency, not bandwidth or issue: 128 registers allow 4 warps a scheduler, 0.76 of
+them eligible a cycle, DRAM at 34% and issue at 46% of their peaks. Contract: :func:`_decode_stream_kernel`'s
 (partials and their base-2 log-sum-exp for the merge kernel), with the query from :func:`prepare_query`.
 """
 
@@ -78,17 +81,18 @@ def _setting(name: str, default: str, choices: tuple[str, ...]) -> str:
 
 
 def preferred(preset: Preset, rows: int, max_len: int) -> bool:
-    """Where the fragment kernel is the faster one, from the shapes alone (graph-stable). H200, 2026-12-05, the
-    same machine start (``h200-fragments.json``, ``h200-kernels.json``), us per layer, stream -> fragments:
-    4bit_nc 64 x 32768 2150 -> 1582, 1 x 32768 47.5 -> 42.1, 64 x 4096 281 -> 211, 16 x 8192 147 -> 115, but
-    1 x 4096 14.8 -> 17.4 (a small grid: the heavier prologue and epilogue of few tiles a program); tqkv_4bit_pc
-    alike; k8v4 64 x 32768 1632 -> 1550, 64 x 4096 214 -> 207, 16 x 8192 113 -> 111, but 1 x 32768 36.6 -> 38.9
-    and 1 x 4096 10.5 -> 15.3 (the stream kernel prepares fp8 keys' query itself: one launch fewer). So: 4-bit
-    keys for batches above 1 or tables of 16384 positions and more, fp8 keys for batches of 16 and more."""
+    """Where the fragment kernel is the faster one, from the shapes alone (graph-stable). H200, 2026-12-05 09:32
+    (``h200-fragments-stage.json``, one command), us per layer, stream -> fragments at the default STAGE 1:
+    4bit_nc 64 x 32768 1574 -> 1362, 1 x 32768 42.0 (the stream kernel's, an earlier run: 47.5) -> 38.4,
+    64 x 4096 209 -> 185; k8v4 1546 -> 1124, 1 x 32768 36.5 -> 31.5, 64 x 4096 206 -> 148; k3v4_nc 2097 -> 1355,
+    46.6 -> 37.9, 274 -> 183.5; 3bit_nc 2418 -> 1480, 49.1 -> 39.1, 314 -> 200. At 1 x 4096 (``h200-kernels.json``,
+    09:36, every preset forced onto it) it took 16.9 us (4- and 3-bit keys) and 14.2 (fp8) where the stream kernel
+    took 14.8 and 10.5 (2026-12-05 01:52): a small grid, where the heavier prologue and epilogue of few tiles a
+    program weigh (and for fp8 keys the stream kernel prepares the query itself: one launch fewer). So: batches
+    above 1 or tables of 16384 positions and more (fp8 keys: batches of 16 and more, or the long tables). 3-bit
+    fields need STAGE 1 / 2 (:func:`supports`; at STAGE 0 the launcher keeps the stream kernel for them)."""
     if preset.key_fp8:
-        return rows >= 16
-    if preset.key_bits == 3 or preset.value_bits == 3:  # (read at STAGE 1 / 2 only, never timed: opt-in)
-        return False
+        return rows >= 16 or max_len >= 16384
     return rows > 1 or max_len >= 16384
 
 
@@ -112,23 +116,31 @@ PREFETCH_ENV = "TQKV_FRAGMENT_PREFETCH"
 def default_prefetch() -> int:
     """The kernel's PREFETCH when the caller names none: ``TQKV_FRAGMENT_PREFETCH`` (0, 1 or 2), default 0, the
     loop timed on the H200 (2026-12-05). 1 loads a tile's block ids a tile ahead, 2 also its words (register
-    double buffering); both are written for the next GPU session's A/B (bench/results/h200-kernels-notes.md) and
-    untimed."""
+    double buffering: ~40 registers more, 3 programs an SM where 4 fit); both compile and are untimed (the
+    profile of STAGE 1 says latency binds, which is what 2 is for: the next GPU session's first A/B)."""
     return int(_setting(PREFETCH_ENV, "0", ("0", "1", "2")))
 
 
 STAGE_ENV = "TQKV_FRAGMENT_STAGE"
 
 
-def default_stage() -> int:
-    """The kernel's STAGE when the caller names none: ``TQKV_FRAGMENT_STAGE`` (0, 1 or 2), default 0, the loads
-    timed on the H200 (2026-12-05): each thread loads its fragments' words itself, so a warp's load instruction
-    reads 8 bytes of each of 8 positions (8-11 cache lines: the L1 serves one a cycle). 1 loads each position's
-    words as one contiguous run of a warp (1-2 lines an instruction) and moves them into the fragments' layout
-    through shared memory, as 16-bit words (2: extended to 32 bits first: 16 KB of shared memory traffic a tile
-    against 8, but ~35 fewer instructions packing and unpacking). Written for the next GPU session's A/B;
-    untimed."""
-    return int(_setting(STAGE_ENV, "0", ("0", "1", "2")))
+def default_stage(preset: Preset | None = None) -> int:
+    """The kernel's STAGE when the caller names none: ``TQKV_FRAGMENT_STAGE`` (0, 1 or 2), default 1 (2 for
+    ``preset``'s with 3-bit fields: the loop checked on the H200 for them; 1 was timed but not checked). 0: each
+    thread loads its fragments' words itself, so a warp's load instruction reads 8 bytes of each of 8 positions
+    (8-11 cache lines: the L1 serves one a cycle). 1 loads each position's words as one contiguous run of a warp
+    (1-2 lines an instruction) and moves them into the fragments' layout through shared memory, as 16-bit words
+    (2: extended to 32 bits first: 16 KB of shared memory traffic a tile against 8, ~35 fewer instructions).
+    H200, 2026-12-05 09:32, one command (``h200-fragments-stage.json``), us at 64 x 32768 for STAGE 0 / 1 / 2:
+    4bit_nc 1574 / 1362 / 1359, k8v4 1545 / 1124 / 1182, k3v4_nc - / 1355 / 1372, 3bit_nc - / 1480 / 1457 (1 x 32768
+    and 64 x 4096 alike). 1 is the best or within 1.6% of it for every preset, and the loop the kernel table
+    and the end-to-end runs of that session used; 2 stays for the A/B."""
+    three_bit = preset is not None and _three_bit_fields(preset)
+    return int(_setting(STAGE_ENV, "2" if three_bit else "1", ("0", "1", "2")))
+
+
+def _three_bit_fields(preset: Preset) -> bool:
+    return preset.key_bits == 3 and not preset.key_fp8 or preset.value_bits == 3
 
 
 def maxnreg(dim: int, prefetch: int = 0) -> int:
@@ -152,10 +164,10 @@ def supports(preset: Preset, kv_cache: torch.Tensor, group: int, device: torch.d
         return "the fragment kernel runs on CUDA GPUs only (Gluon has no interpreter)"
     if torch.cuda.get_device_capability(device) < (8, 0):
         return "mma.sync m16n8k16 needs compute capability 8.0 or later"
-    stage = default_stage() if stage is None else stage
+    stage = default_stage(preset) if stage is None else stage
     if not (preset.key_fp8 or preset.key_bits in (3, 4)) or preset.value_bits not in (3, 4) or not preset.vllm_layout:
         return f"{preset.name}: the fragment kernel reads vLLM's layouts only (3- or 4-bit or fp8 keys, 3- or 4-bit values)"
-    if (preset.key_bits == 3 and not preset.key_fp8 or preset.value_bits == 3) and stage == 0:
+    if _three_bit_fields(preset) and stage == 0:
         return f"{preset.name}: 3-bit fields are read at TQKV_FRAGMENT_STAGE 1 or 2 only (the 4-bit or fp8 keys with 4-bit uniform values at any)"
     if preset.head_dim not in (128, 256):
         return f"head size {preset.head_dim}: the fragment kernel serves 128 and 256"
@@ -744,7 +756,7 @@ def launch(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, s
     16- / 32-bit words; default
     :func:`default_stage`); ``regs``: the register cap (default :func:`maxnreg`)."""
     prefetch = default_prefetch() if prefetch is None else prefetch
-    stage = default_stage() if stage is None else stage
+    stage = default_stage(preset) if stage is None else stage
     if prefetch not in (0, 1, 2):
         raise ValueError(f"prefetch: expected 0, 1 or 2, got {prefetch!r}")
     if stage not in (0, 1, 2):

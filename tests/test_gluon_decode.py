@@ -178,11 +178,12 @@ def test_the_launcher_takes_it_only_where_it_can(monkeypatch):
     meta = type("Cuda", (), {"type": "cuda"})()
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     k3_cache = torch.zeros(4, 16, 2, k3.slot_bytes, dtype=torch.uint8)
-    assert "STAGE 1 or 2" in gluon_decode.supports(k3, k3_cache, 4, meta)  # (the default stage: 0)
+    assert "STAGE 1 or 2" in gluon_decode.supports(k3, k3_cache, 4, meta, stage=0)
+    assert gluon_decode.supports(k3, k3_cache, 4, meta) is None  # the default stage for 3-bit fields: 2
     assert gluon_decode.supports(k3, k3_cache, 4, meta, stage=2) is None
     b3 = tqkv_compile.get_preset("turboquant_3bit_nc", 128)
     assert gluon_decode.supports(b3, torch.zeros(4, 16, 2, b3.slot_bytes, dtype=torch.uint8), 4, meta, stage=1) is None
-    assert not gluon_decode.preferred(k3, 64, 32768)  # opt-in: never timed
+    assert gluon_decode.preferred(k3, 64, 32768) and not gluon_decode.preferred(k3, 1, 4096)
     own = tqkv_compile.get_preset("tqkv_k4o1v225", 128)
     assert "vLLM's layouts" in gluon_decode.supports(own, torch.zeros(4, 16, 2, own.slot_bytes, dtype=torch.uint8),
                                                      4, meta, stage=2)
@@ -216,11 +217,12 @@ def test_it_is_preferred_where_the_h200_measured_it_faster():
     assert gluon_decode.preferred(nc, 64, 32768) and gluon_decode.preferred(nc, 1, 32768)
     assert gluon_decode.preferred(nc, 16, 8192) and not gluon_decode.preferred(nc, 1, 4096)
     assert gluon_decode.preferred(k8, 64, 4096) and gluon_decode.preferred(k8, 16, 8192)
-    assert not gluon_decode.preferred(k8, 1, 32768) and not gluon_decode.preferred(k8, 1, 4096)
+    assert gluon_decode.preferred(k8, 1, 32768) and not gluon_decode.preferred(k8, 1, 4096)
+    assert not gluon_decode.preferred(k8, 8, 4096)
 
 
 def test_prefetch_and_stage_settings_and_the_register_cap(monkeypatch):
-    """TQKV_FRAGMENT_PREFETCH and TQKV_FRAGMENT_STAGE pick the loop (0 by default, the one timed); prefetch 2
+    """TQKV_FRAGMENT_PREFETCH and TQKV_FRAGMENT_STAGE pick the loop (PREFETCH 0, STAGE 1 by default: timed); prefetch 2
     holds the next tile's words in registers, so its cap is raised (no spills at 150 / 222 registers with
     triton 3.6: bench/ptx_stats.py --kernel fragments --fragment-prefetch 2); anything else is refused, by the
     launcher too."""
@@ -236,7 +238,10 @@ def test_prefetch_and_stage_settings_and_the_register_cap(monkeypatch):
     assert triton_attention.programs_per_sm(gluon_decode.maxnreg(128, 2), gluon_decode.NUM_WARPS) == 3
     p = tqkv_compile.get_preset("turboquant_4bit_nc", 128)
     monkeypatch.delenv(gluon_decode.STAGE_ENV, raising=False)
-    assert gluon_decode.default_stage() == 0
+    assert gluon_decode.default_stage() == 1 and gluon_decode.default_stage(p) == 1
+    assert gluon_decode.default_stage(tqkv_compile.get_preset("turboquant_k3v4_nc", 128)) == 2  # (checked there)
+    monkeypatch.setenv(gluon_decode.STAGE_ENV, "1")
+    assert gluon_decode.default_stage(tqkv_compile.get_preset("turboquant_3bit_nc", 128)) == 1
     monkeypatch.setenv(gluon_decode.STAGE_ENV, "3")
     with pytest.raises(ValueError, match="0, 1 or 2"):
         gluon_decode.default_stage()
