@@ -73,12 +73,18 @@ OPS = ("st.shared", "ld.shared", "shfl", "mma", "cp.async", "ld.global", "selp",
        "griddepcontrol")
 
 
+PTX_OUT = None  # --ptx FILE: every compiled kernel's PTX appended there
+
+
 def stats(fn, signature: dict, constexprs: dict, num_warps: int, num_stages: int, maxnreg: int | None,
           source=ASTSource) -> dict:
     options = dict(num_warps=num_warps, num_stages=num_stages, **({"maxnreg": maxnreg} if maxnreg else {}))
     kernel = triton.compile(source(fn=fn, signature=signature, constexprs=constexprs),
                             target=GPUTarget("cuda", 90, 32), options=options)
     ptx = kernel.asm["ptx"]
+    if PTX_OUT:
+        with open(PTX_OUT, "a") as f:
+            f.write(ptx)
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "k.ptx")
         with open(path, "w") as f:
@@ -219,15 +225,18 @@ def main() -> int:
                              "triton 3.6 compiles N = 8 to mma.sync, 16 and up to wgmma)")
     parser.add_argument("--histogram", action="store_true", help="every opcode of the tile loop's SASS, counted")
     parser.add_argument("--sass", help="append the tile loop's SASS to this file")
-    parser.add_argument("--fragment-stage", type=int, choices=(0, 1, 2), default=0,
+    parser.add_argument("--ptx", help="append the whole kernel's PTX to this file")
+    parser.add_argument("--fragment-stage", type=int, choices=(0, 1, 2, 3), default=0,
                         help="the fragment kernel's STAGE (1 / 2: words loaded a position a warp, moved through "
-                             "shared memory as 16- / 32-bit words)")
+                             "shared memory as 16- / 32-bit words; 3: a ring of cp.async copies, 4-bit presets)")
     parser.add_argument("--site", help="a site-packages read after this interpreter's own (see the module doc)")
     parser.add_argument("--tree", help="compile this checkout's kernels (see the module doc)")
     parser.add_argument("--query-in-kernel", choices=("auto", "yes", "no"), default="auto",
                         help="the query prepared in the kernel (bf16) or by prepare_query's launch (fp32); "
                              "auto: as the launcher (in the kernel for fp8 keys)")
     args = parser.parse_args()
+    global PTX_OUT
+    PTX_OUT = args.ptx
     for name in args.preset or ["turboquant_4bit_nc", "turboquant_k8v4"]:
         maxnreg = args.maxnreg or (128 if args.head_dim <= 128 else 168)
         if args.kernel == "fragments":
