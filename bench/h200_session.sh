@@ -27,7 +27,7 @@
 #                                                all timed against the stream kernel in one command (FRAG_CASES,
 #                                                FRAG_PRESETS, FRAG_CHECK_LOOPS)
 #   bash bench/h200_session.sh profile           ncu (full set, text) of the fragment kernel at PROFILE_CASE (64x32768)
-#                                                for PROFILE_PRESETS x PROFILE_LOOPS (4bit_nc, k8v4 x PREFETCH:STAGE 0:1 2:1)
+#                                                for PROFILE_PRESETS x PROFILE_LOOPS (4bit_nc, k8v4 x PREFETCH:STAGE 0:1 0:3 2:1)
 #   bash bench/h200_session.sh install           only the install (above every stage), e.g. before a command's own steps
 #   bash bench/h200_session.sh diagnose          why an eager tqkv run did not finish (h200-vllm020-notes.md)
 #   bash bench/h200_session.sh fa2               vLLM's FA2 first-launch times (driver JIT from sm_80 PTX on
@@ -176,11 +176,12 @@ fragments)
     # the fragment kernel's loops, PREFETCH:STAGE (0:0, 0:1, 0:2 checked and timed 2026-12-05, 0:1 the default;
     # PREFETCH 1: block ids a tile ahead, 2: and the words, register double buffering; STAGE 1 / 2: a warp loads a
     # position's words in one run, moved into the fragments' layout through shared memory as 16- / 32-bit words;
-    # the profile said latency binds, which PREFETCH is for): each checked against the reference,
+    # the profile said latency binds, which PREFETCH and STAGE 3, a ring of cp.async copies (4-bit keys and values
+    # only; k8v4 falls back / errors), are for): each checked against the reference,
     # then all timed against the stream kernel in one command. FRAG_CHECK_LOOPS="" skips the checks,
     # FRAG_LOOPS="" the timing (to split them over two calls of 10 minutes)
     : ${FRAG_PRESETS:=turboquant_4bit_nc,turboquant_k8v4} ${FRAG_CASES:=64x32768,1x32768,64x4096}
-    for loop in ${FRAG_CHECK_LOOPS-1:1 2:1 2:2}; do
+    for loop in ${FRAG_CHECK_LOOPS-0:3 1:1 2:1 2:2}; do
         step "fragment kernel, prefetch:stage $loop: check against the reference (TQKV_FRAGMENT_KERNEL=1)"
         TQKV_FRAGMENT_KERNEL=1 TQKV_FRAGMENT_PREFETCH=${loop%:*} TQKV_FRAGMENT_STAGE=${loop#*:} \
             timeout ${FRAG_CHECK_TIMEOUT:-240} python3 -m tqkv_compile.bench_kernels --check --presets $FRAG_PRESETS \
@@ -191,7 +192,7 @@ fragments)
         variants=$(python3 -c "import json, sys
 one = [{}] + [{'kernel': 'fragments', 'prefetch': int(l.split(':')[0]), 'stage': int(l.split(':')[1])}
               for l in sys.argv[1].split()]
-print(json.dumps(one + one))" "${FRAG_LOOPS:=0:1 1:1 2:1 2:2}")
+print(json.dumps(one + one))" "${FRAG_LOOPS:=0:1 0:3 1:1 2:1 2:2}")
         step "fragment kernel against the stream kernel: $FRAG_PRESETS at $FRAG_CASES: $variants"
         timeout ${FRAG_TIMEOUT:-420} python3 -m tqkv_compile.bench_kernels --tune --presets $FRAG_PRESETS \
             --cases $FRAG_CASES --out "$OUT/h200-fragments.json" --variants "$variants" > "$OUT/fragments.log" 2>&1
@@ -206,7 +207,7 @@ profile)
     NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
     [ -n "$NCU" ] || { echo "no ncu on this machine" >&2; exit 2; }
     for preset in $(echo ${PROFILE_PRESETS:-turboquant_4bit_nc,turboquant_k8v4} | tr , ' '); do
-        for loop in ${PROFILE_LOOPS:-0:1 2:1}; do  # PREFETCH:STAGE
+        for loop in ${PROFILE_LOOPS:-0:1 0:3 2:1}; do  # PREFETCH:STAGE
             pf=${loop%:*} st=${loop#*:}
             step "ncu: $preset ${PROFILE_CASE:=64x32768} fragment kernel prefetch $pf stage $st"
             timeout ${PROFILE_TIMEOUT:-150} "$NCU" --kernel-name regex:fragment_kernel --launch-skip 2 --launch-count 1 \
