@@ -135,7 +135,7 @@ STAGE_ENV = "TQKV_FRAGMENT_STAGE"
 
 
 def default_stage(preset: Preset | None = None) -> int:
-    """The kernel's STAGE when the caller names none: ``TQKV_FRAGMENT_STAGE`` (0, 1 or 2), default 1 (2 for
+    """The kernel's STAGE when the caller names none: ``TQKV_FRAGMENT_STAGE`` (0, 1, 2 or 3), default 1 (2 for
     ``preset``'s with 3-bit fields: the loop checked on the H200 for them; 1 was timed but not checked). 0: each
     thread loads its fragments' words itself, so a warp's load instruction reads 8 bytes of each of 8 positions
     (8-11 cache lines: the L1 serves one a cycle). 1 loads each position's words as one contiguous run of a warp
@@ -663,13 +663,11 @@ if gluon is not None:
         rows = _position_pointers(wptr, block, start, w_blk, w_base, ROW_SLOTS, gl.SliceLayout(1, RING_WORDS),
                                   W_POS, BLOCK, BLOCK_SIZE)
         live = start + gl.arange(0, BLOCK, layout=gl.SliceLayout(1, RING_WORDS)) < end
-        _async_load(dst, rows[:, None] + word[None, :],
-                                               mask=live[:, None] & copied[None, :])
+        _async_load(dst, rows[:, None] + word[None, :], mask=live[:, None] & copied[None, :])
         frows = _position_pointers(wptr, block, start, w_blk, w_base, KEY_SLOTS, gl.SliceLayout(1, FIELD_ROWS),
                                    W_POS, BLOCK, BLOCK_SIZE)
         flive = start + gl.arange(0, BLOCK, layout=gl.SliceLayout(1, FIELD_ROWS)) < end
-        _async_load(fdst, frows[:, None] + fword[None, :],
-                                               mask=flive[:, None] & fcopied[None, :])
+        _async_load(fdst, frows[:, None] + fword[None, :], mask=flive[:, None] & fcopied[None, :])
 
     @gluon.jit
     def _permute(x, y, selector):
@@ -964,6 +962,20 @@ if gluon is not None:
         gl.store(part_lse_ptr + part, m_i + gl.log2(l_i), mask=head_ok)
 
 
+def loop_settings(preset: Preset, prefetch: int | None = None, stage: int | None = None) -> tuple[int, int]:
+    """The (PREFETCH, STAGE) a launch runs for ``preset``: the defaults (:func:`default_prefetch`,
+    :func:`default_stage`) where none is named, refused outside their choices, and PREFETCH 0 at STAGE 3 (its
+    ring of copies is its prefetch), so that the register cap (:func:`maxnreg`) and the split count the
+    launcher derives from PREFETCH are the kernel's."""
+    prefetch = default_prefetch() if prefetch is None else int(prefetch)
+    stage = default_stage(preset) if stage is None else stage
+    if prefetch not in (0, 1, 2):
+        raise ValueError(f"prefetch: expected 0, 1 or 2, got {prefetch!r}")
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"stage: expected 0, 1, 2 or 3, got {stage!r}")
+    return (0 if stage == 3 else prefetch), stage
+
+
 def launch(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
            query_start_loc: torch.Tensor, part_out: torch.Tensor, part_lse: torch.Tensor, preset: Preset,
            group: int, splits: int, search_steps: int, prefetch: int | None = None, stage: int | None = None,
@@ -974,14 +986,7 @@ def launch(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, s
     fragments' words, 1 / 2: a warp loads a position's words together, then they move through shared memory as
     16- / 32-bit words, 3: a ring of asynchronous copies into shared memory, untimed and unchecked on a GPU;
     default :func:`default_stage`); ``regs``: the register cap (default :func:`maxnreg`)."""
-    prefetch = default_prefetch() if prefetch is None else prefetch
-    stage = default_stage(preset) if stage is None else stage
-    if prefetch not in (0, 1, 2):
-        raise ValueError(f"prefetch: expected 0, 1 or 2, got {prefetch!r}")
-    if stage not in (0, 1, 2, 3):
-        raise ValueError(f"stage: expected 0, 1, 2 or 3, got {stage!r}")
-    if stage == 3:  # (its ring of copies is its prefetch: PREFETCH does not apply)
-        prefetch = 0
+    prefetch, stage = loop_settings(preset, prefetch, stage)
     rows, kv_heads = q.shape[0], kv_cache.shape[2]
     max_len = block_table.shape[1] * kv_cache.shape[1]
     fragment_kernel[(rows, kv_heads, splits)](

@@ -1011,7 +1011,7 @@ def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: t
         raise ValueError(f"kernel: expected 'stream', 'bytes' or 'fragments', got {kernel!r}")
     if kernel == "fragments":
         block_n, num_warps = gluon_decode.BLOCK_N, gluon_decode.NUM_WARPS
-        prefetch = gluon_decode.default_prefetch() if prefetch is None else int(prefetch)
+        prefetch, stage = gluon_decode.loop_settings(preset, prefetch, stage)
         maxnreg = maxnreg or gluon_decode.maxnreg(dim, prefetch)
     if block_n is None:  # the H200 sweeps' best (bench/results/h200-kernels-notes.md)
         block_n = 16 if interpret else (32 if kernel == "bytes" else 64)

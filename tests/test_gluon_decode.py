@@ -259,6 +259,10 @@ def test_prefetch_and_stage_settings_and_the_register_cap(monkeypatch):
             torch.zeros(1, 4, 1, 128), torch.zeros(1, 4, 1), p, 4, 1, 1)
     with pytest.raises(ValueError, match="prefetch: expected 0, 1 or 2"):
         gluon_decode.launch(*args, prefetch=3)
+    # the loop a launch runs, as the launcher sizes it (its register cap): STAGE 3's ring is its prefetch
+    assert gluon_decode.loop_settings(p, 2, 3) == (0, 3) and gluon_decode.loop_settings(p, True, 1) == (1, 1)
+    monkeypatch.delenv(gluon_decode.PREFETCH_ENV)
+    assert gluon_decode.loop_settings(p) == (0, 1)
     with pytest.raises(ValueError, match="stage: expected 0, 1, 2 or 3"):
         gluon_decode.launch(*args, prefetch=0, stage=4)
 
