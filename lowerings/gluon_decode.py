@@ -123,12 +123,22 @@ def enabled() -> bool:
 PREFETCH_ENV = "TQKV_FRAGMENT_PREFETCH"
 
 
-def default_prefetch() -> int:
-    """The kernel's PREFETCH when the caller names none: ``TQKV_FRAGMENT_PREFETCH`` (0, 1 or 2), default 0, the
-    loop timed on the H200 (2026-12-05). 1 loads a tile's block ids a tile ahead, 2 also its words (register
-    double buffering: ~40 registers more, 3 programs an SM where 4 fit); both compile and are untimed (the
-    profile of STAGE 1 says latency binds, which is what 2 is for: the next GPU session's first A/B)."""
-    return int(_setting(PREFETCH_ENV, "0", ("0", "1", "2")))
+def default_prefetch(preset: Preset | None = None) -> int:
+    """The kernel's PREFETCH when the caller names none: ``TQKV_FRAGMENT_PREFETCH`` (0, 1 or 2); by default 2 (the
+    next tile's block ids and words loaded before this tile's math: register double buffering, ~40 registers
+    more, 3 programs an SM where 4 fit), 1 for fp8 keys (block ids only), 0 at head 256 (untimed there: 2 runs
+    at 255 registers, 2 programs an SM). H100, 2026-12-05 13:21-13:26, one machine, each loop twice
+    (``h100-fragments-prefetch.json``), us at 64 x 32768 for PREFETCH 0 / 1 / 2 (STAGE 1; 3-bit presets STAGE
+    2): 4bit_nc 1390 / 1328 / 1270, k8v4 1442 / 1387 / 1400, k3v4_nc 1392 / 1350 / 1289, 3bit_nc 1461 / 1406 /
+    1394; 1 x 32768 alike (4bit_nc 39.3 / 38.6 / 36.7); at 64 x 4096 1 and 2 tie for 4-bit keys (180.8 / 180.3)
+    and 2 loses for fp8 keys (k8v4 175.1 / 169.9 / 192.5). The profile of PREFETCH 0 said latency binds; 2 hides
+    some of it (DRAM 54% of peak against 47% for STAGE 3's cp.async ring, 1541 against 1828 us under Nsight
+    Compute)."""
+    if preset is not None and preset.head_dim > 128:
+        fallback = "0"
+    else:
+        fallback = "1" if preset is not None and preset.key_fp8 else "2"
+    return int(_setting(PREFETCH_ENV, fallback, ("0", "1", "2")))
 
 
 STAGE_ENV = "TQKV_FRAGMENT_STAGE"
@@ -967,7 +977,7 @@ def loop_settings(preset: Preset, prefetch: int | None = None, stage: int | None
     :func:`default_stage`) where none is named, refused outside their choices, and PREFETCH 0 at STAGE 3 (its
     ring of copies is its prefetch), so that the register cap (:func:`maxnreg`) and the split count the
     launcher derives from PREFETCH are the kernel's."""
-    prefetch = default_prefetch() if prefetch is None else int(prefetch)
+    prefetch = default_prefetch(preset) if prefetch is None else int(prefetch)
     stage = default_stage(preset) if stage is None else stage
     if prefetch not in (0, 1, 2):
         raise ValueError(f"prefetch: expected 0, 1 or 2, got {prefetch!r}")

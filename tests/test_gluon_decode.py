@@ -230,12 +230,19 @@ def test_it_is_preferred_where_the_h200_measured_it_faster():
 
 
 def test_prefetch_and_stage_settings_and_the_register_cap(monkeypatch):
-    """TQKV_FRAGMENT_PREFETCH and TQKV_FRAGMENT_STAGE pick the loop (PREFETCH 0, STAGE 1 by default: timed); prefetch 2
+    """TQKV_FRAGMENT_PREFETCH and TQKV_FRAGMENT_STAGE pick the loop (by default PREFETCH 2, 1 for fp8 keys, 0 at head 256; STAGE 1, 2 for 3-bit fields: timed); prefetch 2
     holds the next tile's words in registers, so its cap is raised (no spills at 150 / 222 registers with
     triton 3.6: bench/ptx_stats.py --kernel fragments --fragment-prefetch 2); anything else is refused, by the
     launcher too."""
     monkeypatch.delenv(gluon_decode.PREFETCH_ENV, raising=False)
-    assert gluon_decode.default_prefetch() == 0
+    get = tqkv_compile.get_preset
+    assert gluon_decode.default_prefetch() == 2 and gluon_decode.default_prefetch(get("turboquant_4bit_nc", 128)) == 2
+    assert gluon_decode.default_prefetch(get("turboquant_k8v4", 128)) == 1  # (PREFETCH 2 lost for fp8 keys)
+    assert gluon_decode.default_prefetch(get("turboquant_4bit_nc", 256)) == 0  # (untimed at 256)
+    assert gluon_decode.loop_settings(get("turboquant_4bit_nc", 128)) == (2, 1)
+    assert gluon_decode.loop_settings(get("turboquant_3bit_nc", 128)) == (2, 2)
+    monkeypatch.setenv(gluon_decode.PREFETCH_ENV, "0")
+    assert gluon_decode.default_prefetch(get("turboquant_k8v4", 128)) == 0
     monkeypatch.setenv(gluon_decode.PREFETCH_ENV, "2")
     assert gluon_decode.default_prefetch() == 2
     monkeypatch.setenv(gluon_decode.PREFETCH_ENV, "yes")
@@ -262,7 +269,7 @@ def test_prefetch_and_stage_settings_and_the_register_cap(monkeypatch):
     # the loop a launch runs, as the launcher sizes it (its register cap): STAGE 3's ring is its prefetch
     assert gluon_decode.loop_settings(p, 2, 3) == (0, 3) and gluon_decode.loop_settings(p, True, 1) == (1, 1)
     monkeypatch.delenv(gluon_decode.PREFETCH_ENV)
-    assert gluon_decode.loop_settings(p) == (0, 1)
+    assert gluon_decode.loop_settings(p) == (2, 1)
     with pytest.raises(ValueError, match="stage: expected 0, 1, 2 or 3"):
         gluon_decode.launch(*args, prefetch=0, stage=4)
 
