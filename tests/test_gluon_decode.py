@@ -230,8 +230,8 @@ def test_it_is_preferred_where_the_h200_measured_it_faster():
 
 
 def test_prefetch_and_stage_settings_and_the_register_cap(monkeypatch):
-    """TQKV_FRAGMENT_PREFETCH and TQKV_FRAGMENT_STAGE pick the loop (by default PREFETCH 2, 1 for fp8 keys, 0 at head 256; STAGE 1, 2 for 3-bit fields: timed); prefetch 2
-    holds the next tile's words in registers, so its cap is raised (no spills at 150 / 222 registers with
+    """TQKV_FRAGMENT_PREFETCH and TQKV_FRAGMENT_STAGE pick the loop (by default PREFETCH 2, 1 for fp8 keys, 0 at
+    head 256; STAGE 1, 2 for 3-bit fields: timed); prefetch 2 holds the next tile's words in registers, so its cap is raised (no spills at 150 / 222 registers with
     triton 3.6: bench/ptx_stats.py --kernel fragments --fragment-prefetch 2); anything else is refused, by the
     launcher too."""
     monkeypatch.delenv(gluon_decode.PREFETCH_ENV, raising=False)
@@ -423,8 +423,8 @@ def _stage1_reads(cache: torch.Tensor, preset, kv_head: int, rows: list[tuple[in
 
 @pytest.mark.parametrize("name,dim", [("turboquant_4bit_nc", 128), ("tqkv_4bit_pc", 128), ("turboquant_4bit_nc", 256)])
 def test_stage3_copies_read_back_what_stage1_loads(name, dim, monkeypatch):
-    """STAGE 3 (cp.async ring, untimed and unchecked on a GPU) on random caches, emulated on the CPU: kv heads
-    1-8, blocks of 16 and 32 positions, strided views (padded positions and blocks, storage offsets 2 mod 4,
+    """STAGE 3 (cp.async ring; checked on an H100 2026-12-05, slower than STAGE 1) on random caches, emulated on
+    the CPU: kv heads 1-8, blocks of 16 and 32 positions, strided views (padded positions and blocks, storage offsets 2 mod 4,
     padded heads: slots of either half-word parity), each kv head's positions, some past the end: the words it
     copies are aligned and overlap the slot, and the key words, value words, norm, scale and zero it reads
     back from them are STAGE 1's, bit for bit (fields 0 past the end). supports() takes these caches."""
