@@ -53,22 +53,35 @@ fi
 step() { echo "[h200 $(date +%T)] $*" | tee -a "$OUT/steps.log" >&2; }
 
 if ! python3 -c "import vllm" 2>/dev/null; then
-    step "installing vLLM 0.20 from the bundle"  # (its log stays out of $OUT: files that come back are few)
-    bash /root/tqkv-bundle/install_bundle.sh > /tmp/install.log 2>&1 || { tail -20 /tmp/install.log; exit 1; }
+    if [ -f /root/tqkv-bundle/install_bundle.sh ]; then
+        step "installing vLLM 0.20 from the bundle"  # (its log stays out of $OUT: files that come back are few)
+        bash /root/tqkv-bundle/install_bundle.sh > /tmp/install.log 2>&1 || { tail -20 /tmp/install.log; exit 1; }
+    else  # the kernel stages (fragments, profile) need only the host's torch and triton
+        step "no vLLM bundle in /root/tqkv-bundle: kernel stages only (no FA3 / vLLM baselines, no engine)"
+    fi
 fi
 # (from another folder: here the repository root would shadow the install, which maps passes/ and lowerings/
 # into tqkv_compile)
 if ! (cd /tmp && python3 -c "import tqkv_compile.passes, tqkv_compile.lowerings") 2>/dev/null; then
     python3 -m pip install -q --no-deps --no-build-isolation -e . > /tmp/pip.log 2>&1 || tail -5 /tmp/pip.log
 fi
-python3 - <<'PY' 2>&1 | tee -a "$OUT/steps.log"
-import importlib, torch, triton, vllm
-from tqkv_compile.vllm import adapter
+if ! (cd /tmp && python3 -c "import tqkv_compile.passes, tqkv_compile.lowerings") 2>/dev/null; then
+    # no pip build (a bare host): this copy of the checkout laid out as the install maps it (links inside the
+    # package; the device's copy only) and on the path
+    ln -sfn ../lowerings tqkv_compile/lowerings && ln -sfn ../passes tqkv_compile/passes
+    export PYTHONPATH=$PWD:$PYTHONPATH
+    step "tqkv from the checkout on PYTHONPATH (pip: $(tail -1 /tmp/pip.log 2>/dev/null))"
+fi
+(cd /tmp && python3 - <<'PY' 2>&1 | tee -a "$OUT/steps.log"
+import importlib, torch, triton
 mods = {m: getattr(importlib.import_module(m), "__version__", "?") if importlib.util.find_spec(m) else None
-        for m in ("transformers", "tokenizers", "safetensors", "accelerate", "gguf", "matplotlib")}
-print("torch", torch.__version__, "triton", triton.__version__, "vllm", vllm.__version__, torch.cuda.get_device_name(),
-      "| tqkv:", adapter.unsupported_reason() or "supported", "|", mods)
+        for m in ("vllm", "transformers", "tokenizers", "safetensors", "accelerate", "gguf", "matplotlib")}
+if mods["vllm"]:
+    from tqkv_compile.vllm import adapter
+    mods["tqkv"] = adapter.unsupported_reason() or "supported"
+print("torch", torch.__version__, "triton", triton.__version__, torch.cuda.get_device_name(), "|", mods)
 PY
+)
 
 # SmolLM2 exported to /tmp/smollm2 from the wheel's halves in /root/tqkv-smol; else a 6-layer dummy model
 smollm2() {
@@ -180,18 +193,23 @@ fragments)
     # only; k8v4 falls back / errors), are for): each checked against the reference,
     # then all timed against the stream kernel in one command. FRAG_CHECK_LOOPS="" skips the checks,
     # FRAG_LOOPS="" the timing (to split them over two calls of 10 minutes)
+    # (PREFETCH:STAGE:KEY_TABLE: a third field names the 4-bit keys' lookup, 0 byte permutes, 8 / 32 a table of
+    # pairs in shared memory with that many copies; absent: the default)
     : ${FRAG_PRESETS:=turboquant_4bit_nc,turboquant_k8v4} ${FRAG_CASES:=64x32768,1x32768,64x4096}
     for loop in ${FRAG_CHECK_LOOPS-0:3 1:1 2:1 2:2}; do
-        step "fragment kernel, prefetch:stage $loop: check against the reference (TQKV_FRAGMENT_KERNEL=1)"
-        TQKV_FRAGMENT_KERNEL=1 TQKV_FRAGMENT_PREFETCH=${loop%:*} TQKV_FRAGMENT_STAGE=${loop#*:} \
+        IFS=: read -r pf st kt <<< "$loop"
+        step "fragment kernel, prefetch:stage[:key table] $loop: check against the reference (TQKV_FRAGMENT_KERNEL=1)"
+        TQKV_FRAGMENT_KERNEL=1 TQKV_FRAGMENT_PREFETCH=$pf TQKV_FRAGMENT_STAGE=$st TQKV_FRAGMENT_KEY_TABLE=${kt:-0} \
             timeout ${FRAG_CHECK_TIMEOUT:-240} python3 -m tqkv_compile.bench_kernels --check --presets $FRAG_PRESETS \
-            --dims 128,256 > "$OUT/check-fragments-${loop/:/-}-${FRAG_PRESETS%%,*}.log" 2>&1
-        tail -3 "$OUT/check-fragments-${loop/:/-}-${FRAG_PRESETS%%,*}.log"
+            --dims 128,256 > "$OUT/check-fragments-${loop//:/-}-${FRAG_PRESETS%%,*}.log" 2>&1
+        tail -3 "$OUT/check-fragments-${loop//:/-}-${FRAG_PRESETS%%,*}.log"
     done
     if [ -n "${FRAG_LOOPS-x}" ]; then
         variants=$(python3 -c "import json, sys
-one = [{}] + [{'kernel': 'fragments', 'prefetch': int(l.split(':')[0]), 'stage': int(l.split(':')[1])}
-              for l in sys.argv[1].split()]
+def variant(loop):
+    f = [int(x) for x in loop.split(':')]
+    return dict(kernel='fragments', prefetch=f[0], stage=f[1], **({'key_table': f[2]} if len(f) > 2 else {}))
+one = [{}] + [variant(l) for l in sys.argv[1].split()]
 print(json.dumps(one + one))" "${FRAG_LOOPS:=0:1 0:3 1:1 2:1 2:2}")
         step "fragment kernel against the stream kernel: $FRAG_PRESETS at $FRAG_CASES: $variants"
         timeout ${FRAG_TIMEOUT:-420} python3 -m tqkv_compile.bench_kernels --tune --presets $FRAG_PRESETS \

@@ -171,7 +171,8 @@ def stream_kernel(preset_name: str, dim: int, block_n: int, warps: int, maxnreg:
     return stats(fn, signature, constexprs, warps, 1, maxnreg)
 
 
-def fragment_kernel(preset_name: str, dim: int, maxnreg: int | None, prefetch: int = 0, stage: int = 0) -> dict:
+def fragment_kernel(preset_name: str, dim: int, maxnreg: int | None, prefetch: int = 0, stage: int = 0,
+                    key_table: int = 0) -> dict:
     """gluon_decode's fragment kernel (4-bit keys and values; heads 128 and 256) at the launcher's settings."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
@@ -194,6 +195,10 @@ def fragment_kernel(preset_name: str, dim: int, maxnreg: int | None, prefetch: i
         constexprs.update(KEY_BITS=0 if p.key_fp8 else p.key_bits, VALUE_BITS=p.value_bits)
     elif stage:
         raise SystemExit("this tree's fragment kernel has no STAGE")
+    if "KEY_TABLE" in g.fragment_kernel.arg_names:  # (trees from 2026-12-05 evening on)
+        constexprs.update(KEY_TABLE=key_table if not p.key_fp8 and p.key_bits == 4 else 0)
+    elif key_table:
+        raise SystemExit("this tree's fragment kernel has no KEY_TABLE")
     pointers = dict(q_ptr="*fp32", cache_ptr="*u8", block_table_ptr="*i32", seq_lens_ptr="*i32", qsl_ptr="*i32",
                     lut_ptr="*i32", key_order_ptr="*i32", value_order_ptr="*i32", part_out_ptr="*fp32",
                     part_lse_ptr="*fp32")
@@ -226,6 +231,9 @@ def main() -> int:
     parser.add_argument("--histogram", action="store_true", help="every opcode of the tile loop's SASS, counted")
     parser.add_argument("--sass", help="append the tile loop's SASS to this file")
     parser.add_argument("--ptx", help="append the whole kernel's PTX to this file")
+    parser.add_argument("--fragment-key-table", type=int, choices=(0, 8, 32), default=0,
+                        help="the fragment kernel's KEY_TABLE (4-bit keys from a table of pairs in shared memory, "
+                             "that many copies; 0: byte permutes)")
     parser.add_argument("--fragment-stage", type=int, choices=(0, 1, 2, 3), default=0,
                         help="the fragment kernel's STAGE (1 / 2: words loaded a position a warp, moved through "
                              "shared memory as 16- / 32-bit words; 3: a ring of cp.async copies, 4-bit presets)")
@@ -240,9 +248,10 @@ def main() -> int:
     for name in args.preset or ["turboquant_4bit_nc", "turboquant_k8v4"]:
         maxnreg = args.maxnreg or (128 if args.head_dim <= 128 else 168)
         if args.kernel == "fragments":
-            result = fragment_kernel(name, args.head_dim, args.maxnreg, args.fragment_prefetch, args.fragment_stage)
+            result = fragment_kernel(name, args.head_dim, args.maxnreg, args.fragment_prefetch, args.fragment_stage,
+                                     args.fragment_key_table)
             label = (f"{name} D{args.head_dim} fragment kernel prefetch {args.fragment_prefetch} "
-                     f"stage {args.fragment_stage} "
+                     f"stage {args.fragment_stage} key table {args.fragment_key_table} "
                      f"triton {triton.__version__}")
         else:
             result = stream_kernel(name, args.head_dim, args.block_n, args.warps, maxnreg, args.prefetch,

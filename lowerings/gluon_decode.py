@@ -163,6 +163,47 @@ def default_stage(preset: Preset | None = None) -> int:
     return int(_setting(STAGE_ENV, "2" if three_bit else "1", ("0", "1", "2", "3")))
 
 
+KEY_TABLE_ENV = "TQKV_FRAGMENT_KEY_TABLE"
+
+
+def default_key_table(preset: Preset | None = None) -> int:
+    """How 4-bit keys are looked up when the caller names nothing: ``TQKV_FRAGMENT_KEY_TABLE`` 0 (the default:
+    byte permutes from eight registers, :func:`_lut4_pairs`, 11 instructions a word of four codes), 8 or 32 (a
+    table of the 256 fp16 pairs in shared memory, that many copies side by side so that lanes reading different
+    entries mostly (8) or always (32) hit different banks: :func:`_table4_pairs`, two byte extracts, two
+    multiply-adds and two shared loads a word; 8 or 32 KB of shared memory a program beyond Triton's own,
+    :func:`reserve_shared`). UNTIMED: 608 -> 528 SASS a tile statically (4bit_nc, PREFETCH 2, STAGE 1, triton
+    3.6). Other keys (fp8, 3-bit) have no table: 0."""
+    if preset is not None and (preset.key_fp8 or preset.key_bits != 4):
+        return 0
+    return int(_setting(KEY_TABLE_ENV, "0", ("0", "8", "32")))
+
+
+def table_bytes(copies: int) -> int:
+    """Shared memory the key pair table takes with ``copies`` copies: 256 entries of 4 bytes each."""
+    return 256 * 4 * copies
+
+
+def reserve_shared(kernel, extra: int) -> None:
+    """Make a compiled fragment kernel (a triton ``CompiledKernel``) launch with ``extra`` bytes of dynamic shared
+    memory beyond what Triton allocated for it: the key pair table lives there (:func:`_table_base` finds it at
+    the end, from ``%dynamic_smem_size``), out of the reach of Triton's own allocation. Patches the launch's
+    metadata (triton 3.6's ``metadata.shared`` / ``packed_metadata``) and reloads the module so that the size
+    limit above 48 KB is raised too; idempotent."""
+    if getattr(kernel, "_tqkv_extra_shared", None) == extra:
+        return
+    meta = getattr(kernel, "metadata", None)
+    if meta is None or not hasattr(meta, "_replace") or not hasattr(kernel, "packed_metadata"):
+        raise RuntimeError("TQKV_FRAGMENT_KEY_TABLE: this triton's compiled kernels have no metadata.shared / "
+                           "packed_metadata to grow (written against triton 3.6); set it to 0")
+    own = getattr(kernel, "_tqkv_own_shared", meta.shared)  # Triton's allocation
+    shared = (-(-own // 128) * 128 + extra) if extra else own  # the table 128-byte aligned after it
+    kernel.metadata = meta._replace(shared=shared)
+    kernel.packed_metadata = (meta.num_warps, meta.num_ctas, shared)
+    kernel.module, kernel.function, kernel._run = None, None, None  # loaded again: the larger size's limit
+    kernel._tqkv_own_shared, kernel._tqkv_extra_shared = own, extra
+
+
 def _three_bit_fields(preset: Preset) -> bool:
     return preset.key_bits == 3 and not preset.key_fp8 or preset.value_bits == 3
 
@@ -296,7 +337,9 @@ def layouts(dim: int) -> dict:
         reg_bases=[[1, 0], [2, 0], [4, 0], [8, 0]] + [[0, 32 * k] for k in _bits(dim // 64)],
         lane_bases=[[0, 1], [0, 2], [0, 4], [0, 8], [0, 16]], warp_bases=[[16, 0], [32, 0]], block_bases=[],
         shape=[BLOCK_N, dim // 2])
-    return dict(ROW_WORDS=row_words, ROW_SLOTS=row_slots, ROW3_WORDS=row3_words, ROW3_SLOTS=row3_slots,
+    # the key pair table's fill (_fill_key_table): consecutive words across a warp's lanes
+    table_fill = gl.BlockedLayout([1], [32], [NUM_WARPS], [0])
+    return dict(TABLE_FILL=table_fill, ROW_WORDS=row_words, ROW_SLOTS=row_slots, ROW3_WORDS=row3_words, ROW3_SLOTS=row3_slots,
                 FIELD_ROWS=field_rows, FIELD_REGS=field_regs, MMA=mma, RING_WORDS=ring_words,
                 KEY_PAIRS=key_pairs,
                 A_OP=gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2),
@@ -357,6 +400,21 @@ def key_lut(preset: Preset, device: torch.device) -> torch.Tensor:
     return _LUTS[key]
 
 
+_PAIRS: dict[tuple[str, int, str], torch.Tensor] = {}
+
+
+def key_pairs(preset: Preset, device: torch.device) -> torch.Tensor:
+    """int32 [256]: entry e the fp16 pair (centroid[e & 15], centroid[e >> 4]) (low half first), the key pair
+    table :func:`_table4_pairs` reads (a word's byte 0 holds codes 0 and 1, byte 1 codes 2 and 3); built once per
+    preset and device (before CUDA-graph capture: ``TritonBackend.warm``)."""
+    key = (preset.name, preset.head_dim, str(device))
+    if key not in _PAIRS:
+        bits = preset.centroids("cpu").float().to(torch.float16).view(torch.int16).to(torch.int32) & 0xFFFF
+        e = torch.arange(256)
+        _PAIRS[key] = (bits[e & 15] | (bits[e >> 4] << 16)).to(torch.int32).contiguous().to(device)
+    return _PAIRS[key]
+
+
 if gluon is not None:
     @gluon.jit
     def _lut4_pairs(words, t0, t1, t2, t3, t4, t5, t6, t7):
@@ -380,6 +438,65 @@ if gluon is not None:
             "=r,=r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r",
             [gl.join(words, words), t0, t1, t2, t3, t4, t5, t6, t7],  # pack=2: the asm reads the first copy
             dtype=(gl.float16, gl.float16), is_pure=True, pack=2)
+
+    @gluon.jit
+    def _table4_pairs(words, lane_base, stride):
+        """int32 words (low 16 bits: four 4-bit codes; the high half ignored) -> the fp16 pairs (codes 0, 1) and
+        (codes 2, 3), each one shared load from the key pair table (:func:`key_pairs`, entry e at ``lane_base`` +
+        e x ``stride``: the lane's copy, :func:`_table_lane_base`)."""
+        return gl.inline_asm_elementwise(
+            """{
+            .reg .b32 b0, b1, a0, a1;
+            prmt.b32 b0, $2, 0, 0x4440;
+            prmt.b32 b1, $2, 0, 0x4441;
+            mad.lo.u32 a0, b0, $6, $4;
+            mad.lo.u32 a1, b1, $6, $4;
+            ld.shared.b32 $0, [a0];
+            ld.shared.b32 $1, [a1];
+            }""",
+            "=r,=r,r,r,r,r,r,r",
+            [gl.join(words, words), lane_base, stride],  # pack=2: the asm reads the first copy of each
+            dtype=(gl.float16, gl.float16), is_pure=True, pack=2)
+
+    @gluon.jit
+    def _table_base(nbytes):
+        """The shared-window address of the key pair table: the last ``nbytes`` of the launch's dynamic shared
+        memory (``global_smem``, Triton's, runs to ``%dynamic_smem_size``; the launcher adds the table's bytes
+        beyond Triton's own: :func:`reserve_shared`)."""
+        return gl.inline_asm_elementwise(
+            """{
+            .reg .b32 n;
+            mov.u32 n, %dynamic_smem_size;
+            mov.u32 $0, global_smem;
+            add.u32 $0, $0, n;
+            sub.u32 $0, $0, $1;
+            }""", "=r,r", [nbytes], dtype=gl.int32, is_pure=True, pack=1)
+
+    @gluon.jit
+    def _table_lane_base(base, copies_mask):
+        """``base`` + 4 x (lane & ``copies_mask``) (copies - 1, copies a power of 2): where this lane's copy of the table's entry 0 is (entry e is e x
+        4 ``copies`` bytes further: copies side by side, so lanes of different copies read different banks)."""
+        return gl.inline_asm_elementwise(
+            """{
+            .reg .b32 l;
+            mov.u32 l, %laneid;
+            and.b32 l, l, $2;
+            shl.b32 l, l, 2;
+            add.u32 $0, $1, l;
+            }""", "=r,r,r", [base, copies_mask], dtype=gl.int32, is_pure=True, pack=1)
+
+    @gluon.jit
+    def _store_shared(address, value):
+        """st.shared.b32 of ``value`` at shared-window ``address``, elementwise (the result: 0, for Triton)."""
+        return gl.inline_asm_elementwise("st.shared.b32 [$1], $2; mov.b32 $0, 0;", "=r,r,r", [address, value],
+                                         dtype=gl.int32, is_pure=False, pack=1)
+
+    @gluon.jit
+    def _fill_key_table(pairs_ptr, base, COPIES: gl.constexpr, TABLE_FILL: gl.constexpr):
+        """Write the key pair table (``pairs_ptr``: :func:`key_pairs`) ``COPIES`` times into shared memory at
+        ``base``: word e x COPIES + c is entry e (copy c), 2 COPIES words a thread. (The caller syncs after.)"""
+        i = gl.arange(0, 256 * COPIES, layout=TABLE_FILL)
+        _store_shared(base + 4 * i, gl.load(pairs_ptr + i // COPIES))
 
     @gluon.jit
     def _fp8_pairs(words):
@@ -744,7 +861,7 @@ if gluon is not None:
                         FIELD_REGS: gl.constexpr, H_POS: gl.constexpr, KEY_BITS: gl.constexpr,
                         VALUE_BITS: gl.constexpr, ROW3_WORDS: gl.constexpr, ROW3_SLOTS: gl.constexpr,
                         STAGE: gl.constexpr, RING_WORDS: gl.constexpr,
-                        KEY_PAIRS: gl.constexpr):
+                        KEY_PAIRS: gl.constexpr, KEY_TABLE: gl.constexpr, TABLE_FILL: gl.constexpr):
         BLOCK: gl.constexpr = 64
         KT: gl.constexpr = D // 16
         VJ: gl.constexpr = D // 128
@@ -795,7 +912,14 @@ if gluon is not None:
                     mask=(hq < GROUP)[None, :], other=0.0).to(gl.float16)
         if NORM_CORRECTION:
             ones = gl.full([D, 8], 1.0, gl.float16, layout=B_OP)
-        if not KEY_FP8:
+        if KEY_TABLE > 0:  # the key pair table in shared memory, KEY_TABLE copies (lut_ptr: key_pairs)
+            gl.static_assert(KEY_BITS == 4 and not KEY_FP8, "the key pair table serves 4-bit keys")
+            table = _table_base(gl.program_id(0) * 0 + 1024 * KEY_TABLE)
+            _fill_key_table(lut_ptr, table, KEY_TABLE, TABLE_FILL)
+            _barrier()
+            lane_table = _table_lane_base(table, gl.program_id(0) * 0 + (KEY_TABLE - 1))
+            table_stride = gl.program_id(0) * 0 + 4 * KEY_TABLE
+        elif not KEY_FP8:
             copy = 8 * _lane_parity()  # the table twice: which copy depends on the lane (module doc)
             t0 = gl.load(lut_ptr + copy + 0)
             t1 = gl.load(lut_ptr + copy + 1)
@@ -926,6 +1050,8 @@ if gluon is not None:
                 low, high = _fp8_pairs(kf)
             elif KEY_BITS == 3:
                 low, high = _lut3_pairs(kf, t0, t1, t4, t5)
+            elif KEY_TABLE > 0:
+                low, high = _table4_pairs(kf, lane_table, table_stride)
             else:
                 low, high = _lut4_pairs(kf, t0, t1, t2, t3, t4, t5, t6, t7)
             x = gl.permute(gl.join(low, high), (0, 1, 3, 2))  # [64, m, r2, b]
@@ -990,24 +1116,36 @@ def loop_settings(preset: Preset, prefetch: int | None = None, stage: int | None
 def launch(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
            query_start_loc: torch.Tensor, part_out: torch.Tensor, part_lse: torch.Tensor, preset: Preset,
            group: int, splits: int, search_steps: int, prefetch: int | None = None, stage: int | None = None,
-           regs: int | None = None) -> None:
+           regs: int | None = None, key_table: int | None = None) -> None:
     """Fill ``part_out`` / ``part_lse`` (the stream kernel's partials) from ``q`` (prepare_query's query, fp32
     [T, Hq, D], its last stride 1). ``prefetch``: the kernel's PREFETCH (0 none, 1 block ids a tile ahead, 2 also
     the words; default :func:`default_prefetch`); ``stage``: the kernel's STAGE (0: each thread loads its
     fragments' words, 1 / 2: a warp loads a position's words together, then they move through shared memory as
     16- / 32-bit words, 3: a ring of asynchronous copies into shared memory, checked on an H100, 0.89x STAGE 1 there;
-    default :func:`default_stage`); ``regs``: the register cap (default :func:`maxnreg`)."""
+    default :func:`default_stage`); ``regs``: the register cap (default :func:`maxnreg`); ``key_table``: 4-bit
+    keys looked up by byte permutes (0) or from a table of pairs in shared memory with that many copies (8 or
+    32; default :func:`default_key_table`)."""
     prefetch, stage = loop_settings(preset, prefetch, stage)
+    copies = default_key_table(preset) if key_table is None else int(key_table)
+    if copies not in (0, 8, 32):
+        raise ValueError(f"key_table: expected 0, 8 or 32, got {key_table!r}")
+    if preset.key_fp8 or preset.key_bits != 4:
+        copies = 0  # (fp8 and 3-bit keys have no table)
     rows, kv_heads = q.shape[0], kv_cache.shape[2]
     max_len = block_table.shape[1] * kv_cache.shape[1]
-    fragment_kernel[(rows, kv_heads, splits)](
-        q, kv_cache, block_table, seq_lens, query_start_loc, key_lut(preset, q.device),
-        *orders(preset.head_dim, q.device), part_out, part_lse,
-        seq_lens.shape[0], max_len, q.stride(0), q.stride(1), *block_table.stride(),
-        *(st // 2 for st in kv_cache.stride()[:3]),
+    grid = (rows, kv_heads, splits)
+    args = (q, kv_cache, block_table, seq_lens, query_start_loc,
+            key_pairs(preset, q.device) if copies else key_lut(preset, q.device),
+            *orders(preset.head_dim, q.device), part_out, part_lse,
+            seq_lens.shape[0], max_len, q.stride(0), q.stride(1), *block_table.stride(),
+            *(st // 2 for st in kv_cache.stride()[:3]))
+    constexprs = dict(
         GROUP=group, D=preset.head_dim, BLOCK_SIZE=kv_cache.shape[1], NUM_SPLITS=splits, SEARCH_STEPS=search_steps,
-        KEY_FP8=preset.key_fp8, NORM_CORRECTION=preset.norm_correction, KEY_CODE_BYTES=preset.key_code_bytes, VALUE_OFFSET=preset.key_bytes,
-        VALUE_CODE_BYTES=preset.value_code_bytes, PREFETCH=prefetch, STAGE=stage,
+        KEY_FP8=preset.key_fp8, NORM_CORRECTION=preset.norm_correction, KEY_CODE_BYTES=preset.key_code_bytes,
+        VALUE_OFFSET=preset.key_bytes, VALUE_CODE_BYTES=preset.value_code_bytes, PREFETCH=prefetch, STAGE=stage,
         H_POS=kv_cache.stride(1) // 2 if stage else 0, KEY_BITS=0 if preset.key_fp8 else preset.key_bits,
-        VALUE_BITS=preset.value_bits, **layouts(preset.head_dim),
+        VALUE_BITS=preset.value_bits, KEY_TABLE=copies, **layouts(preset.head_dim),
         num_warps=NUM_WARPS, maxnreg=regs or maxnreg(preset.head_dim, prefetch))
+    if copies:  # the table's shared memory beyond Triton's allocation (compiled once, then cached)
+        reserve_shared(fragment_kernel.warmup(*args, grid=grid, **constexprs), table_bytes(copies))
+    fragment_kernel[grid](*args, **constexprs)

@@ -965,7 +965,7 @@ def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: t
                      maxnreg: int | None = None, lut: torch.Tensor | None = None,
                      index32: bool | None = None, signs: torch.Tensor | None = None,
                      query_in_kernel: bool | None = None, launch=None,
-                     out: torch.Tensor | None = None) -> torch.Tensor:
+                     out: torch.Tensor | None = None, key_table: int | None = None) -> torch.Tensor:
     """query [T, Hq, D] -> out [T, Hq, D] (query dtype); see the module docstring and ops.attention.
     ``kernel``: "stream" or "bytes" (default: :func:`default_kernel`); the other keywords are tuning
     knobs (the H200 sweep's best by default). ``lut``: the stream kernel's key lookup table (default:
@@ -981,7 +981,9 @@ def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: t
     True is 1 there), whichever kernel runs; ``stage``: the fragment kernel's STAGE (0, 1 or 2, or 3: the
     cp.async ring, 4-bit presets, checked on an H100 and slower than 1 there; default
     :func:`gluon_decode.default_stage`; the other kernels have none and ignore it).
-    ``maxnreg``: the register cap (default: the measured one for the kernel and ``prefetch``)."""
+    ``maxnreg``: the register cap (default: the measured one for the kernel and ``prefetch``). ``key_table``: the
+    fragment kernel's 4-bit key lookup (0: byte permutes, 8 / 32: a table of pairs in shared memory with that many
+    copies; default :func:`gluon_decode.default_key_table`; the other kernels ignore it)."""
     require_vllm_layout(preset)
     if launch is None:
         launch = _plain_launch
@@ -1073,7 +1075,7 @@ def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: t
     elif kernel == "fragments":
         q = prepare_query(query, None if preset.key_fp8 else rotation, scale * LOG2E)
         gluon_decode.launch(q, kv_cache, block_table, seq_lens, query_start_loc, part_out, part_lse, preset, group,
-                            splits, common["SEARCH_STEPS"], prefetch, stage, maxnreg)
+                            splits, common["SEARCH_STEPS"], prefetch, stage, maxnreg, key_table)
     elif kernel == "bytes":
         q = prepare_query(query, None if preset.key_fp8 else rotation, scale * LOG2E, _traced(launch))
         launch(_decode_split_kernel)[(rows, kv_heads, splits)](

@@ -43,9 +43,11 @@ def asm_text(fn) -> str:
     return re.search(r'"""\{(.*?)\}"""', inspect.getsource(getattr(fn, "fn", fn)), re.S).group(1)
 
 
-def execute(text: str, regs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """Run inline-PTX ``text`` (and, shl, shr.u32, prmt, lop3, mov into 16-bit halves) on uint32 arrays given by operand
-    name (all one shape); every register it writes, operands included, alongside the inputs."""
+def execute(text: str, regs: dict[str, np.ndarray], shared: np.ndarray | None = None) -> dict[str, np.ndarray]:
+    """Run inline-PTX ``text`` (and, shl, shr.u32, prmt, lop3, mov into 16-bit halves, mov.u32, add.u32,
+    sub.u32, mad.lo.u32, ld.shared.b32 from ``shared``: 32-bit words, byte address / 4) on uint32 arrays given by
+    operand name (all one shape; special registers and symbols, ``%laneid``, ``global_smem``, by name too);
+    every register it writes, operands included, alongside the inputs."""
     regs = dict(regs)
     shape = next(iter(regs.values())).shape
 
@@ -66,7 +68,20 @@ def execute(text: str, regs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
             regs[low], regs[high] = val(src) & 0xFFFF, val(src) >> 16
             continue
         dst, *src = (t.strip() for t in args.split(","))
-        if op == "and.b32":
+        if op == "ld.shared.b32":
+            address = val(src[0].strip("[]"))
+            assert shared is not None and np.all(address % 4 == 0), "ld.shared.b32: aligned words of `shared`"
+            regs[dst] = shared[address // 4].astype(np.uint32)
+            continue
+        if op == "mov.u32":
+            regs[dst] = val(src[0])
+        elif op == "add.u32":
+            regs[dst] = (val(src[0]) + val(src[1])) & 0xFFFFFFFF
+        elif op == "sub.u32":
+            regs[dst] = (val(src[0]) - val(src[1])) & 0xFFFFFFFF
+        elif op == "mad.lo.u32":
+            regs[dst] = (val(src[0]).astype(np.uint64) * val(src[1]) + val(src[2])).astype(np.uint32)
+        elif op == "and.b32":
             regs[dst] = val(src[0]) & val(src[1])
         elif op == "shl.b32":
             regs[dst] = (val(src[0]) << int(src[1], 0)) & 0xFFFFFFFF

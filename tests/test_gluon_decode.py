@@ -20,7 +20,7 @@ import tqkv_compile  # noqa: E402
 from tqkv_compile.lowerings import gluon_decode, triton_attention  # noqa: E402
 
 
-def _emulate(fn, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+def _emulate(fn, inputs: dict[str, np.ndarray], shared: np.ndarray | None = None) -> dict[str, np.ndarray]:
     """Run the inline PTX of a Gluon function on uint32 arrays given by operand name (test_asm_emulation's
     interpreter); every register it writes, operands included. First: its constraint string declares every
     operand the asm names (with pack=2 each input is passed twice; a short string compiles with one Triton and
@@ -32,7 +32,7 @@ def _emulate(fn, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     constraints = re.search(r'\}""",\s*"([^"]+)"', source).group(1).split(",")
     used = max(int(n) for n in re.findall(r"\$(\d+)", asm_text(fn)))
     assert used < len(constraints), (fn, used, constraints)
-    return execute(asm_text(fn), {k: v.astype(np.uint32) for k, v in inputs.items()})
+    return execute(asm_text(fn), {k: np.asarray(v).astype(np.uint32) for k, v in inputs.items()}, shared)
 
 
 def _halves(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -56,6 +56,52 @@ def test_key_lookup_gives_each_words_fp16_pairs_in_place():
         lo, hi = _halves(regs[out])
         np.testing.assert_array_equal(lo, table[codes[a]])
         np.testing.assert_array_equal(hi, table[codes[b]])
+
+
+@pytest.mark.parametrize("copies", [8, 32])
+def test_key_table_lookup_reads_each_words_pairs_from_the_lanes_copy(copies):
+    """KEY_TABLE: the table the kernel fills (:func:`_fill_key_table`: word e x copies + c of the table holds
+    entry e of key_pairs) at the base :func:`_table_base` computes (the last bytes of the dynamic shared memory),
+    each lane's base (:func:`_table_lane_base`), and :func:`_table4_pairs` on every 16-bit word (garbage in the
+    high half) from every lane: (table[c0], table[c1]) in $0, (table[c2], table[c3]) in $1, what the byte-permute
+    lookup gives; and the 32 lanes of a warp read distinct banks with 32 copies (8: at most 4 lanes a bank)."""
+    preset = tqkv_compile.get_preset("turboquant_4bit_nc", 128)
+    pairs = gluon_decode.key_pairs(preset, torch.device("cpu")).numpy().astype(np.uint32)
+    nbytes = gluon_decode.table_bytes(copies)
+    # 5 KB of Triton's own, then the table; global_smem at shared-window address 1024
+    smem, dynamic = 1024, 5120 + nbytes
+    one = np.zeros(1, dtype=np.uint32)
+    base = _emulate(gluon_decode._table_base, {"$1": one + nbytes, "global_smem": one + smem,
+                                               "%dynamic_smem_size": one + dynamic})["$0"][0]
+    assert base == smem + 5120
+    shared = np.zeros((smem + dynamic) // 4, dtype=np.uint32)
+    i = np.arange(256 * copies)
+    shared[(base + 4 * i) // 4] = pairs[i // copies]  # _fill_key_table's stores
+    lanes = np.arange(32, dtype=np.uint32)
+    lane_base = _emulate(gluon_decode._table_lane_base, {"$1": base + 0 * lanes, "$2": lanes * 0 + copies - 1,
+                                                         "%laneid": lanes})["$0"]
+    table = preset.centroids("cpu").to(torch.float16).numpy()
+    words = np.arange(1 << 16, dtype=np.uint32) | (np.uint32(0x5A3C) << 16)
+    codes = [(words >> (4 * k)) & 0xF for k in range(4)]
+    for lane in (0, 5, 31):
+        regs = _emulate(gluon_decode._table4_pairs, {"$2": words, "$3": words, "$4": words * 0 + lane_base[lane],
+                                                     "$5": words * 0 + lane_base[lane], "$6": words * 0 + 4 * copies,
+                                                     "$7": words * 0 + 4 * copies}, shared)
+        for out, (a, b) in (("$0", (0, 1)), ("$1", (2, 3))):
+            lo, hi = _halves(regs[out])
+            np.testing.assert_array_equal(lo, table[codes[a]])
+            np.testing.assert_array_equal(hi, table[codes[b]])
+    # a warp's lanes, each with its own word: banks of the first pair's address
+    rng = np.random.default_rng(1)
+    warp_words = rng.integers(0, 1 << 16, size=(1000, 32)).astype(np.uint32)
+    regs = _emulate(gluon_decode._table4_pairs, {"$2": warp_words, "$3": warp_words,
+                                                 "$4": np.broadcast_to(lane_base, warp_words.shape),
+                                                 "$5": np.broadcast_to(lane_base, warp_words.shape),
+                                                 "$6": warp_words * 0 + 4 * copies, "$7": warp_words * 0 + 4 * copies},
+                    shared)
+    banks = (regs["a0"] // 4) % 32
+    worst = max(np.bincount(row, minlength=32).max() for row in banks)
+    assert worst == 1 if copies == 32 else worst <= 4, worst
 
 
 def test_value_unpacking_pairs_two_positions_codes_as_1024_plus_f_code():
@@ -100,10 +146,10 @@ import tqkv_compile
 from tqkv_compile.lowerings import gluon_decode
 
 results = []
-for name, dim, prefetch, stage in json.loads(sys.argv[1]):
+for name, dim, prefetch, stage, *table in json.loads(sys.argv[1]):
     p = tqkv_compile.get_preset(name, dim)
     constexprs = dict(GROUP=4, D=dim, BLOCK_SIZE=16, NUM_SPLITS=2, SEARCH_STEPS=7, KEY_FP8=p.key_fp8,
-                      NORM_CORRECTION=p.norm_correction, PREFETCH=prefetch, STAGE=stage,
+                      NORM_CORRECTION=p.norm_correction, PREFETCH=prefetch, STAGE=stage, KEY_TABLE=sum(table),
                       H_POS=8 * p.slot_bytes // 2 if stage else 0, KEY_BITS=0 if p.key_fp8 else p.key_bits,
                       VALUE_BITS=p.value_bits,
                       KEY_CODE_BYTES=p.key_code_bytes, VALUE_OFFSET=p.key_bytes, VALUE_CODE_BYTES=p.value_code_bytes,
@@ -117,10 +163,16 @@ for name, dim, prefetch, stage in json.loads(sys.argv[1]):
                             options=dict(num_warps=gluon_decode.NUM_WARPS,
                                          maxnreg=gluon_decode.maxnreg(dim, prefetch)))
     ptx = kernel.asm["ptx"]
-    results.append(dict(name=name, dim=dim, prefetch=prefetch, stage=stage, norm_correction=p.norm_correction,
-                        shared=kernel.metadata.shared, mma=ptx.count("mma.sync.aligned.m16n8k16"),
+    shared = kernel.metadata.shared
+    if table:  # the launcher's step: the table's bytes beyond Triton's allocation, in the launch's metadata
+        gluon_decode.reserve_shared(kernel, gluon_decode.table_bytes(table[0]))
+        gluon_decode.reserve_shared(kernel, gluon_decode.table_bytes(table[0]))  # (idempotent)
+    results.append(dict(name=name, dim=dim, prefetch=prefetch, stage=stage, table=sum(table),
+                        norm_correction=p.norm_correction,
+                        shared=shared, launch_shared=kernel.packed_metadata[2], mma=ptx.count("mma.sync.aligned.m16n8k16"),
                         loads=ptx.count("ld.global"), cp_async=ptx.count("cp.async.ca.shared.global"),
-                        cp_async_wait=ptx.count("cp.async.wait_group")))
+                        cp_async_wait=ptx.count("cp.async.wait_group"), table_loads=ptx.count("ld.shared.b32"),
+                        dynamic_size=ptx.count("%dynamic_smem_size")))
 print("RESULTS " + json.dumps(results))
 """
 
@@ -140,15 +192,25 @@ def test_fragment_kernel_compiles_for_hopper_with_no_tile_through_shared_memory(
              ["turboquant_k8v4", 128, 0, 0], ["turboquant_4bit_nc", 128, 2, 0], ["turboquant_k8v4", 128, 2, 0],
              ["turboquant_4bit_nc", 128, 0, 1], ["turboquant_4bit_nc", 256, 2, 2], ["turboquant_k8v4", 128, 2, 2],
              ["turboquant_k3v4_nc", 128, 0, 2], ["turboquant_3bit_nc", 128, 0, 1], ["turboquant_3bit_nc", 256, 2, 2],
-             ["turboquant_4bit_nc", 128, 0, 3], ["tqkv_4bit_pc", 128, 0, 3], ["turboquant_4bit_nc", 256, 0, 3]]
+             ["turboquant_4bit_nc", 128, 0, 3], ["tqkv_4bit_pc", 128, 0, 3], ["turboquant_4bit_nc", 256, 0, 3],
+             ["turboquant_4bit_nc", 128, 2, 1, 32], ["tqkv_4bit_pc", 128, 2, 1, 8], ["turboquant_4bit_nc", 256, 0, 1, 32]]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-c", _COMPILE, json.dumps(cases)], capture_output=True, text=True,
                           env=env, timeout=600)
     line = next((ln for ln in done.stdout.splitlines() if ln.startswith("RESULTS ")), None)
     assert line is not None, done.stderr[-3000:]
     results = json.loads(line[len("RESULTS "):])
-    assert [[r["name"], r["dim"], r["prefetch"], r["stage"]] for r in results] == cases
+    assert [[r["name"], r["dim"], r["prefetch"], r["stage"]] + ([r["table"]] if r["table"] else []) for r in results] == cases
     for r in results:
+        # KEY_TABLE: the pair table sits past Triton's allocation (found from %dynamic_smem_size), which the
+        # launch grows by its bytes; two shared loads a key word of a thread (D / 4 words a row, 2 rows a thread,
+        # lanes t of a quad share a row's words: KT words a row a thread)
+        if r["table"]:
+            assert r["launch_shared"] == -(-r["shared"] // 128) * 128 + 1024 * r["table"], r
+            assert r["dynamic_size"] >= 1, r
+            assert r["table_loads"] >= 2 * 2 * r["dim"] // 16, r
+        else:
+            assert r["launch_shared"] == r["shared"] and r["dynamic_size"] == 0, r
         # STAGE 1 / 2 move the words through shared memory on purpose: at most a tile of them (64 x D / 4 words);
         # STAGE 3 keeps a ring of tiles there: 3 (2 at head 256) buffers of 64 x D / 2 words and 64 x 4 for the
         # fields (52 KB at head 128: 4 programs an SM still fit in the H200's 227 KB; 67 KB at 256, 3 programs)
