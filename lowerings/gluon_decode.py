@@ -40,6 +40,12 @@ a slot may start 2 bytes into a word), so that 2 tiles' loads (1) are in flight 
 holding them in registers; the words are read back as aligned 32-bit words straight into the fragments' layouts
 (:func:`_ring_columns`).
 
+Key lookup (4-bit keys): byte permutes from eight registers (:func:`_lut4_pairs`, 11 instructions a word of four
+codes, a third of the loop's issue) with ``TQKV_FRAGMENT_KEY_TABLE=0``; by default (32) from a table of the 256
+fp16 pairs in shared memory (:func:`_table4_pairs`: 6 instructions a word, two of them shared loads), kept past
+Triton's own shared memory with 32 copies side by side so that a warp's lanes hit different banks: 1.05-1.06x at
+64 x 32768 on an H100 (:func:`default_key_table`).
+
 Status: checked against the reference on an H200 (heads 128 and 256; STAGE 0, 1 and 2: 0 failures, worst relative
 error 6.8e-3) and timed there (2026-12-05): STAGE 1 is the default (2 for 3-bit fields: :func:`default_stage`), :func:`preferred` says
 where the kernel wins, and the launcher takes it there by default (``TQKV_FRAGMENT_KERNEL=0`` turns it off,
@@ -167,16 +173,28 @@ KEY_TABLE_ENV = "TQKV_FRAGMENT_KEY_TABLE"
 
 
 def default_key_table(preset: Preset | None = None) -> int:
-    """How 4-bit keys are looked up when the caller names nothing: ``TQKV_FRAGMENT_KEY_TABLE`` 0 (the default:
-    byte permutes from eight registers, :func:`_lut4_pairs`, 11 instructions a word of four codes), 8 or 32 (a
-    table of the 256 fp16 pairs in shared memory, that many copies side by side so that lanes reading different
-    entries mostly (8) or always (32) hit different banks: :func:`_table4_pairs`, two byte extracts, two
-    multiply-adds and two shared loads a word; 8 or 32 KB of shared memory a program beyond Triton's own,
-    :func:`reserve_shared`). UNTIMED: 608 -> 528 SASS a tile statically (4bit_nc, PREFETCH 2, STAGE 1, triton
-    3.6). Other keys (fp8, 3-bit) have no table: 0."""
+    """How 4-bit keys are looked up when the caller names nothing: ``TQKV_FRAGMENT_KEY_TABLE`` 32 (the default,
+    on the Tritons whose compiled kernels :func:`reserve_shared` can grow: 3.6 to 3.9) or 0. 32: a table of the
+    256 fp16 pairs in shared memory (:func:`_table4_pairs`: two byte extracts, two multiply-adds and two shared
+    loads a word of four codes), 32 copies side by side so that a warp's lanes always hit different banks; 32 KB a
+    program beyond Triton's own shared memory. 0: byte permutes from eight registers (:func:`_lut4_pairs`, 11
+    instructions a word). H100, 2026-12-05 14:16, one command, each twice (``h100-key-table.json``; checked: 0
+    failures, ``h100-key-table-check.txt``), us at 64 x 32768 for 0 / 32 (8 copies: 2-3 lanes a bank): 4bit_nc
+    1284 / 1211 (1301), tqkv_4bit_pc 1246 / 1186 (1271); 1 x 32768 36.1 / 35.6 and 35.5 / 34.5. Statically
+    (sm_90a, triton 3.6, STAGE 1): 608 -> 518 SASS a tile (4bit_nc, PREFETCH 2), 526 -> 432 (tqkv_4bit_pc), 969 ->
+    815 (4bit_nc head 256, PREFETCH 0). Other keys (fp8, 3-bit) have no table: 0."""
     if preset is not None and (preset.key_fp8 or preset.key_bits != 4):
         return 0
-    return int(_setting(KEY_TABLE_ENV, "0", ("0", "8", "32")))
+    return int(_setting(KEY_TABLE_ENV, "32" if _growable_launches() else "0", ("0", "32", "8")))
+
+
+def _growable_launches() -> bool:
+    """Whether this Triton's compiled kernels carry the launch metadata :func:`reserve_shared` grows (3.6-3.9:
+    checked there; elsewhere the key table stays off unless asked for)."""
+    import triton
+
+    major_minor = tuple(int(x) for x in triton.__version__.split(".")[:2])
+    return (3, 6) <= major_minor <= (3, 9)
 
 
 def table_bytes(copies: int) -> int:
@@ -1127,8 +1145,8 @@ def launch(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, s
     32; default :func:`default_key_table`)."""
     prefetch, stage = loop_settings(preset, prefetch, stage)
     copies = default_key_table(preset) if key_table is None else int(key_table)
-    if copies not in (0, 8, 32):
-        raise ValueError(f"key_table: expected 0, 8 or 32, got {key_table!r}")
+    if copies not in (0, 8, 32):  # (8: bank conflicts, slower than 0; for the A/B)
+        raise ValueError(f"key_table: expected 0, 32 or 8, got {key_table!r}")
     if preset.key_fp8 or preset.key_bits != 4:
         copies = 0  # (fp8 and 3-bit keys have no table)
     rows, kv_heads = q.shape[0], kv_cache.shape[2]
@@ -1146,6 +1164,10 @@ def launch(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, s
         H_POS=kv_cache.stride(1) // 2 if stage else 0, KEY_BITS=0 if preset.key_fp8 else preset.key_bits,
         VALUE_BITS=preset.value_bits, KEY_TABLE=copies, **layouts(preset.head_dim),
         num_warps=NUM_WARPS, maxnreg=regs or maxnreg(preset.head_dim, prefetch))
-    if copies:  # the table's shared memory beyond Triton's allocation (compiled once, then cached)
+    if copies:
+        # the key table's shared memory beyond Triton's allocation: the compiled kernel Triton's binder picks for
+        # these arguments (compiled the first time), its launch grown once; the launch below finds the same one,
+        # so no ungrown kernel is ever launched. (A second pass of the binder a launch: CPU time outside CUDA
+        # graphs only; launching the returned kernel directly would save it, not yet run on a GPU.)
         reserve_shared(fragment_kernel.warmup(*args, grid=grid, **constexprs), table_bytes(copies))
     fragment_kernel[grid](*args, **constexprs)

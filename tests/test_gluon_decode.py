@@ -336,6 +336,34 @@ def test_prefetch_and_stage_settings_and_the_register_cap(monkeypatch):
         gluon_decode.launch(*args, prefetch=0, stage=4)
 
 
+def test_key_table_setting(monkeypatch):
+    """TQKV_FRAGMENT_KEY_TABLE: 32 copies by default for 4-bit keys on the Tritons whose launches can grow (3.6-3.9),
+    none for fp8 and 3-bit keys (nothing to look up in it), 0 turns it off, anything else is refused, by the
+    launcher too (its keyword)."""
+    import triton
+
+    get = tqkv_compile.get_preset
+    monkeypatch.delenv(gluon_decode.KEY_TABLE_ENV, raising=False)
+    growable = (3, 6) <= tuple(int(x) for x in triton.__version__.split(".")[:2]) <= (3, 9)
+    assert gluon_decode.default_key_table(get("turboquant_4bit_nc", 128)) == (32 if growable else 0)
+    assert gluon_decode.default_key_table(get("tqkv_4bit_pc", 256)) == (32 if growable else 0)
+    assert gluon_decode.default_key_table(get("turboquant_k8v4", 128)) == 0
+    assert gluon_decode.default_key_table(get("turboquant_k3v4_nc", 128)) == 0
+    monkeypatch.setenv(gluon_decode.KEY_TABLE_ENV, "0")
+    assert gluon_decode.default_key_table(get("turboquant_4bit_nc", 128)) == 0
+    monkeypatch.setenv(gluon_decode.KEY_TABLE_ENV, "16")
+    with pytest.raises(ValueError, match="TQKV_FRAGMENT_KEY_TABLE"):
+        gluon_decode.default_key_table(get("turboquant_4bit_nc", 128))
+    monkeypatch.delenv(gluon_decode.KEY_TABLE_ENV)
+    p = get("turboquant_4bit_nc", 128)
+    args = (torch.zeros(1, 4, 128), torch.zeros(4, 16, 1, p.slot_bytes, dtype=torch.uint8),
+            torch.zeros(1, 4, dtype=torch.int32), torch.ones(1, dtype=torch.int32), torch.tensor([0, 1], dtype=torch.int32),
+            torch.zeros(1, 4, 1, 128), torch.zeros(1, 4, 1), p, 4, 1, 1)
+    with pytest.raises(ValueError, match="key_table: expected 0, 32 or 8"):
+        gluon_decode.launch(*args, key_table=16)
+    assert gluon_decode.table_bytes(32) == 32 * 1024
+
+
 def test_field_columns_come_apart_as_the_kernel_reads_them():
     """STAGE 1 / 2 load a position's fields as one [64, 4] tile with columns (norm, zero, scale, zero), and
     _fields takes them apart by reshape [64, 2, 2], split, split (STAGE 0 joins them into that shape). Triton's
