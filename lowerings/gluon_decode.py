@@ -208,6 +208,8 @@ def reserve_shared(kernel, extra: int) -> None:
     the end, from ``%dynamic_smem_size``), out of the reach of Triton's own allocation. Patches the launch's
     metadata (triton 3.6's ``metadata.shared`` / ``packed_metadata``) and reloads the module so that the size
     limit above 48 KB is raised too; idempotent."""
+    if hasattr(kernel, "result"):  # (a compile still in flight: triton's async compile mode)
+        kernel = kernel.result()
     if getattr(kernel, "_tqkv_extra_shared", None) == extra:
         return
     meta = getattr(kernel, "metadata", None)
