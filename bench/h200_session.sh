@@ -23,7 +23,7 @@
 #                                                kv_write of each .variants/ tree (bench/make_variants.sh), beside
 #                                                FA3 and vLLM's, in one run: $OUT/h200-variants.json, $OUT/variants.log
 #   bash bench/h200_session.sh fragments         gluon_decode's fragment kernel's loops (FRAG_LOOPS, PREFETCH:STAGE
-#                                                pairs): checked against the reference (heads 128 / 256), then
+#                                                [:KEY_TABLE]): checked against the reference (heads 128 / 256), then
 #                                                all timed against the stream kernel in one command (FRAG_CASES,
 #                                                FRAG_PRESETS, FRAG_CHECK_LOOPS)
 #   bash bench/h200_session.sh profile           ncu (full set, text) of the fragment kernel at PROFILE_CASE (64x32768)
@@ -186,20 +186,19 @@ for r in json.load(open(sys.argv[1]))[1:]: print(r['preset'], f\"{r['B']}x{r['L'
         "$OUT/h200-tune.json" || tail -5 "$OUT/tune.log"
     ;;
 fragments)
-    # the fragment kernel's loops, PREFETCH:STAGE (0:0, 0:1, 0:2 checked and timed 2026-12-05, 0:1 the default;
-    # PREFETCH 1: block ids a tile ahead, 2: and the words, register double buffering; STAGE 1 / 2: a warp loads a
-    # position's words in one run, moved into the fragments' layout through shared memory as 16- / 32-bit words;
-    # the profile said latency binds, which PREFETCH and STAGE 3, a ring of cp.async copies (4-bit keys and values
-    # only; k8v4 falls back / errors), are for): each checked against the reference,
-    # then all timed against the stream kernel in one command. FRAG_CHECK_LOOPS="" skips the checks,
-    # FRAG_LOOPS="" the timing (to split them over two calls of 10 minutes)
-    # (PREFETCH:STAGE:KEY_TABLE: a third field names the 4-bit keys' lookup, 0 byte permutes, 8 / 32 a table of
-    # pairs in shared memory with that many copies; absent: the default)
+    # the fragment kernel's loops, PREFETCH:STAGE[:KEY_TABLE] (PREFETCH 1: block ids a tile ahead, 2: and the
+    # words, register double buffering; STAGE 1 / 2: a warp loads a position's words in one run, moved into the
+    # fragments' layout through shared memory as 16- / 32-bit words; STAGE 3, a ring of cp.async copies (4-bit
+    # keys and values only); KEY_TABLE: the 4-bit keys' lookup, 0 byte permutes, 32 (8) a table of pairs in
+    # shared memory with that many copies, absent: the default; 2:1:32 the default since 2026-12-05 14:20, 2:2:32
+    # the fewest instructions): each checked against the reference, then all timed against the stream kernel
+    # in one command. FRAG_CHECK_LOOPS="" skips the checks, FRAG_LOOPS="" the timing (to split them over two calls
+    # of 10 minutes)
     : ${FRAG_PRESETS:=turboquant_4bit_nc,turboquant_k8v4} ${FRAG_CASES:=64x32768,1x32768,64x4096}
-    for loop in ${FRAG_CHECK_LOOPS-0:3 1:1 2:1 2:2}; do
+    for loop in ${FRAG_CHECK_LOOPS-2:1 2:2}; do
         IFS=: read -r pf st kt <<< "$loop"
         step "fragment kernel, prefetch:stage[:key table] $loop: check against the reference (TQKV_FRAGMENT_KERNEL=1)"
-        TQKV_FRAGMENT_KERNEL=1 TQKV_FRAGMENT_PREFETCH=$pf TQKV_FRAGMENT_STAGE=$st TQKV_FRAGMENT_KEY_TABLE=${kt:-0} \
+        env TQKV_FRAGMENT_KERNEL=1 TQKV_FRAGMENT_PREFETCH=$pf TQKV_FRAGMENT_STAGE=$st ${kt:+TQKV_FRAGMENT_KEY_TABLE=$kt} \
             timeout ${FRAG_CHECK_TIMEOUT:-240} python3 -m tqkv_compile.bench_kernels --check --presets $FRAG_PRESETS \
             --dims 128,256 > "$OUT/check-fragments-${loop//:/-}-${FRAG_PRESETS%%,*}.log" 2>&1
         tail -3 "$OUT/check-fragments-${loop//:/-}-${FRAG_PRESETS%%,*}.log"
@@ -210,7 +209,7 @@ def variant(loop):
     f = [int(x) for x in loop.split(':')]
     return dict(kernel='fragments', prefetch=f[0], stage=f[1], **({'key_table': f[2]} if len(f) > 2 else {}))
 one = [{}] + [variant(l) for l in sys.argv[1].split()]
-print(json.dumps(one + one))" "${FRAG_LOOPS:=0:1 0:3 1:1 2:1 2:2}")
+print(json.dumps(one + one))" "${FRAG_LOOPS:=2:1:0 2:1:32 2:2:32}")
         step "fragment kernel against the stream kernel: $FRAG_PRESETS at $FRAG_CASES: $variants"
         timeout ${FRAG_TIMEOUT:-420} python3 -m tqkv_compile.bench_kernels --tune --presets $FRAG_PRESETS \
             --cases $FRAG_CASES --out "$OUT/h200-fragments.json" --variants "$variants" > "$OUT/fragments.log" 2>&1

@@ -41,10 +41,10 @@ holding them in registers; the words are read back as aligned 32-bit words strai
 (:func:`_ring_columns`).
 
 Key lookup (4-bit keys): byte permutes from eight registers (:func:`_lut4_pairs`, 11 instructions a word of four
-codes, a third of the loop's issue) with ``TQKV_FRAGMENT_KEY_TABLE=0``; by default (32) from a table of the 256
-fp16 pairs in shared memory (:func:`_table4_pairs`: 6 instructions a word, two of them shared loads), kept past
-Triton's own shared memory with 32 copies side by side so that a warp's lanes hit different banks: 1.05-1.06x at
-64 x 32768 on an H100 (:func:`default_key_table`).
+codes, a third of the loop's issue) with ``TQKV_FRAGMENT_KEY_TABLE=0``; by default (32; on Hopper, not at STAGE 3)
+from a table of the 256 fp16 pairs in shared memory (:func:`_table4_pairs`: 6 instructions a word, two of them
+shared loads), kept past Triton's own shared memory with 32 copies side by side so that a warp's lanes hit
+different banks: 1.05-1.06x at 64 x 32768 on an H100 (:func:`default_key_table`).
 
 Status: checked against the reference on an H200 (heads 128 and 256; STAGE 0, 1 and 2: 0 failures, worst relative
 error 6.8e-3) and timed there (2026-12-05): STAGE 1 is the default (2 for 3-bit fields: :func:`default_stage`), :func:`preferred` says
@@ -172,7 +172,8 @@ def default_stage(preset: Preset | None = None) -> int:
 KEY_TABLE_ENV = "TQKV_FRAGMENT_KEY_TABLE"
 
 
-def default_key_table(preset: Preset | None = None) -> int:
+def default_key_table(preset: Preset | None = None, stage: int | None = None,
+                      device: torch.device | None = None) -> int:
     """How 4-bit keys are looked up when the caller names nothing: ``TQKV_FRAGMENT_KEY_TABLE`` 32 (the default,
     on the Tritons whose compiled kernels :func:`reserve_shared` can grow: 3.6 to 3.9) or 0. 32: a table of the
     256 fp16 pairs in shared memory (:func:`_table4_pairs`: two byte extracts, two multiply-adds and two shared
@@ -182,10 +183,14 @@ def default_key_table(preset: Preset | None = None) -> int:
     failures, ``h100-key-table-check.txt``), us at 64 x 32768 for 0 / 32 (8 copies: 2-3 lanes a bank): 4bit_nc
     1284 / 1211 (1301), tqkv_4bit_pc 1246 / 1186 (1271); 1 x 32768 36.1 / 35.6 and 35.5 / 34.5. Statically
     (sm_90a, triton 3.6, STAGE 1): 608 -> 518 SASS a tile (4bit_nc, PREFETCH 2), 526 -> 432 (tqkv_4bit_pc), 969 ->
-    815 (4bit_nc head 256, PREFETCH 0). Other keys (fp8, 3-bit) have no table: 0."""
+    815 (4bit_nc head 256, PREFETCH 0). Other keys (fp8, 3-bit) have no table: 0. Unset, also 0 at ``stage`` 3
+    (its ring's 53 KB and the table's 32 would halve the programs an SM; untimed) and on GPUs other than
+    Hopper (``device``; timed on an H100 only)."""
     if preset is not None and (preset.key_fp8 or preset.key_bits != 4):
         return 0
-    return int(_setting(KEY_TABLE_ENV, "32" if _growable_launches() else "0", ("0", "32", "8")))
+    fallback = _growable_launches() and stage != 3 and (
+        device is None or device.type != "cuda" or torch.cuda.get_device_capability(device)[0] == 9)
+    return int(_setting(KEY_TABLE_ENV, "32" if fallback else "0", ("0", "32", "8")))
 
 
 def _growable_launches() -> bool:
@@ -208,6 +213,9 @@ def reserve_shared(kernel, extra: int) -> None:
     the end, from ``%dynamic_smem_size``), out of the reach of Triton's own allocation. Patches the launch's
     metadata (triton 3.6's ``metadata.shared`` / ``packed_metadata``) and reloads the module so that the size
     limit above 48 KB is raised too; idempotent."""
+    if kernel is None:
+        raise RuntimeError("TQKV_FRAGMENT_KEY_TABLE: triton compiled no kernel to grow (a jit cache hook?); set it "
+                           "to 0")
     if hasattr(kernel, "result"):  # (a compile still in flight: triton's async compile mode)
         kernel = kernel.result()
     if getattr(kernel, "_tqkv_extra_shared", None) == extra:
@@ -219,7 +227,18 @@ def reserve_shared(kernel, extra: int) -> None:
     own = getattr(kernel, "_tqkv_own_shared", meta.shared)  # Triton's allocation
     shared = (-(-own // 128) * 128 + extra) if extra else own  # the table 128-byte aligned after it
     kernel.metadata = meta._replace(shared=shared)
-    kernel.packed_metadata = (meta.num_warps, meta.num_ctas, shared)
+    try:  # the launch's (num_warps, num_ctas, shared) as the backend packs it
+        from triton.compiler.compiler import make_backend
+
+        kernel.packed_metadata = make_backend(kernel.metadata.target).pack_metadata(kernel.metadata)
+    except (ImportError, AttributeError):
+        kernel.packed_metadata = (meta.num_warps, meta.num_ctas, shared)
+    if getattr(kernel, "module", None) is not None:  # (loaded before: not in launch's flow) unloaded first
+        from triton.runtime.driver import driver
+
+        unload = getattr(driver.active.utils, "unload_module", None)
+        if unload is not None:
+            unload(kernel.module)
     kernel.module, kernel.function, kernel._run = None, None, None  # loaded again: the larger size's limit
     kernel._tqkv_own_shared, kernel._tqkv_extra_shared = own, extra
 
@@ -1146,7 +1165,7 @@ def launch(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, s
     keys looked up by byte permutes (0) or from a table of pairs in shared memory with that many copies (8 or
     32; default :func:`default_key_table`)."""
     prefetch, stage = loop_settings(preset, prefetch, stage)
-    copies = default_key_table(preset) if key_table is None else int(key_table)
+    copies = default_key_table(preset, stage, q.device) if key_table is None else int(key_table)
     if copies not in (0, 8, 32):  # (8: bank conflicts, slower than 0; for the A/B)
         raise ValueError(f"key_table: expected 0, 32 or 8, got {key_table!r}")
     if preset.key_fp8 or preset.key_bits != 4:

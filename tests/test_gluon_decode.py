@@ -338,8 +338,8 @@ def test_prefetch_and_stage_settings_and_the_register_cap(monkeypatch):
 
 def test_key_table_setting(monkeypatch):
     """TQKV_FRAGMENT_KEY_TABLE: 32 copies by default for 4-bit keys on the Tritons whose launches can grow (3.6-3.9),
-    none for fp8 and 3-bit keys (nothing to look up in it), 0 turns it off, anything else is refused, by the
-    launcher too (its keyword)."""
+    except at STAGE 3 (and on GPUs other than Hopper: timed on an H100 only); none for fp8 and 3-bit keys (nothing
+    to look up in it); 0 turns it off, anything else is refused, by the launcher too (its keyword)."""
     import triton
 
     get = tqkv_compile.get_preset
@@ -349,8 +349,14 @@ def test_key_table_setting(monkeypatch):
     assert gluon_decode.default_key_table(get("tqkv_4bit_pc", 256)) == (32 if growable else 0)
     assert gluon_decode.default_key_table(get("turboquant_k8v4", 128)) == 0
     assert gluon_decode.default_key_table(get("turboquant_k3v4_nc", 128)) == 0
+    # (STAGE 3's ring and the table would halve the programs an SM: off there unless asked for)
+    assert gluon_decode.default_key_table(get("turboquant_4bit_nc", 128), stage=3) == 0
+    assert gluon_decode.default_key_table(get("turboquant_4bit_nc", 128), stage=1,
+                                          device=torch.device("cpu")) == (32 if growable else 0)
     monkeypatch.setenv(gluon_decode.KEY_TABLE_ENV, "0")
     assert gluon_decode.default_key_table(get("turboquant_4bit_nc", 128)) == 0
+    monkeypatch.setenv(gluon_decode.KEY_TABLE_ENV, "32")
+    assert gluon_decode.default_key_table(get("turboquant_4bit_nc", 128), stage=3) == 32  # (asked for)
     monkeypatch.setenv(gluon_decode.KEY_TABLE_ENV, "16")
     with pytest.raises(ValueError, match="TQKV_FRAGMENT_KEY_TABLE"):
         gluon_decode.default_key_table(get("turboquant_4bit_nc", 128))
