@@ -62,10 +62,11 @@ if ! python3 -c "import vllm" 2>/dev/null; then
 fi
 # (from another folder: here the repository root would shadow the install, which maps passes/ and lowerings/
 # into tqkv_compile)
-if ! (cd /tmp && python3 -c "import tqkv_compile.passes, tqkv_compile.lowerings") 2>/dev/null; then
+tqkv_importable() { (cd /tmp && python3 -c "import tqkv_compile.passes, tqkv_compile.lowerings") 2>/dev/null; }
+if ! tqkv_importable; then
     python3 -m pip install -q --no-deps --no-build-isolation -e . > /tmp/pip.log 2>&1 || tail -5 /tmp/pip.log
 fi
-if ! (cd /tmp && python3 -c "import tqkv_compile.passes, tqkv_compile.lowerings") 2>/dev/null; then
+if ! tqkv_importable; then
     # no pip build (a bare host): this copy of the checkout laid out as the install maps it (links inside the
     # package; the device's copy only) and on the path
     ln -sfn ../lowerings tqkv_compile/lowerings && ln -sfn ../passes tqkv_compile/passes

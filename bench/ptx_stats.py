@@ -196,7 +196,7 @@ def fragment_kernel(preset_name: str, dim: int, maxnreg: int | None, prefetch: i
     elif stage:
         raise SystemExit("this tree's fragment kernel has no STAGE")
     if "KEY_TABLE" in g.fragment_kernel.arg_names:  # (trees from 2026-12-05 evening on)
-        constexprs.update(KEY_TABLE=key_table if not p.key_fp8 and p.key_bits == 4 else 0)
+        constexprs.update(KEY_TABLE=key_table if g.has_key_table(p) else 0)
     elif key_table:
         raise SystemExit("this tree's fragment kernel has no KEY_TABLE")
     pointers = dict(q_ptr="*fp32", cache_ptr="*u8", block_table_ptr="*i32", seq_lens_ptr="*i32", qsl_ptr="*i32",

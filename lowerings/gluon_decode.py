@@ -186,13 +186,20 @@ def default_key_table(preset: Preset | None = None, stage: int | None = None,
     815 (4bit_nc head 256, PREFETCH 0). Other keys (fp8, 3-bit) have no table: 0. Unset, also 0 at ``stage`` 3
     (its ring's 53 KB and the table's 32 would halve the programs an SM; untimed) and on GPUs other than
     Hopper (``device``; timed on an H100 only)."""
-    if preset is not None and (preset.key_fp8 or preset.key_bits != 4):
+    if preset is not None and not has_key_table(preset):
         return 0
     fallback = _growable_launches() and stage != 3 and (
         device is None or device.type != "cuda" or torch.cuda.get_device_capability(device)[0] == 9)
     return int(_setting(KEY_TABLE_ENV, "32" if fallback else "0", ("0", "32", "8")))
 
 
+def has_key_table(preset: Preset) -> bool:
+    """Whether ``preset``'s keys can be looked up in the key pair table: 4-bit codes (fp8 keys are converted by the
+    hardware, 3-bit ones by byte permutes from eight entries)."""
+    return not preset.key_fp8 and preset.key_bits == 4
+
+
+@functools.cache
 def _growable_launches() -> bool:
     """Whether this Triton's compiled kernels carry the launch metadata :func:`reserve_shared` grows (3.6-3.9:
     checked there; elsewhere the key table stays off unless asked for)."""
@@ -378,8 +385,8 @@ def layouts(dim: int) -> dict:
         shape=[BLOCK_N, dim // 2])
     # the key pair table's fill (_fill_key_table): consecutive words across a warp's lanes
     table_fill = gl.BlockedLayout([1], [32], [NUM_WARPS], [0])
-    return dict(TABLE_FILL=table_fill, ROW_WORDS=row_words, ROW_SLOTS=row_slots, ROW3_WORDS=row3_words, ROW3_SLOTS=row3_slots,
-                FIELD_ROWS=field_rows, FIELD_REGS=field_regs, MMA=mma, RING_WORDS=ring_words,
+    return dict(TABLE_FILL=table_fill, ROW_WORDS=row_words, ROW_SLOTS=row_slots, ROW3_WORDS=row3_words,
+                ROW3_SLOTS=row3_slots, FIELD_ROWS=field_rows, FIELD_REGS=field_regs, MMA=mma, RING_WORDS=ring_words,
                 KEY_PAIRS=key_pairs,
                 A_OP=gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2),
                 B_OP=gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2),
@@ -513,8 +520,9 @@ if gluon is not None:
 
     @gluon.jit
     def _table_lane_base(base, copies_mask):
-        """``base`` + 4 x (lane & ``copies_mask``) (copies - 1, copies a power of 2): where this lane's copy of the table's entry 0 is (entry e is e x
-        4 ``copies`` bytes further: copies side by side, so lanes of different copies read different banks)."""
+        """``base`` + 4 x (lane & ``copies_mask``) (copies - 1, copies a power of 2): where this lane's copy of the
+        table's entry 0 is (entry e is e x 4 ``copies`` bytes further: copies side by side, so lanes of different
+        copies read different banks)."""
         return gl.inline_asm_elementwise(
             """{
             .reg .b32 l;
@@ -1168,8 +1176,8 @@ def launch(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, s
     copies = default_key_table(preset, stage, q.device) if key_table is None else int(key_table)
     if copies not in (0, 8, 32):  # (8: bank conflicts, slower than 0; for the A/B)
         raise ValueError(f"key_table: expected 0, 32 or 8, got {key_table!r}")
-    if preset.key_fp8 or preset.key_bits != 4:
-        copies = 0  # (fp8 and 3-bit keys have no table)
+    if not has_key_table(preset):
+        copies = 0
     rows, kv_heads = q.shape[0], kv_cache.shape[2]
     max_len = block_table.shape[1] * kv_cache.shape[1]
     grid = (rows, kv_heads, splits)

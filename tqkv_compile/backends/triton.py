@@ -99,7 +99,7 @@ class TritonBackend:
         rotation_signs(preset.head_dim, device)
         if gluon_decode.enabled() and device.type == "cuda" and preset.head_dim in (128, 256):
             gluon_decode.key_lut(preset, device)  # the fragment kernel's tables
-            if not preset.key_fp8 and preset.key_bits == 4:
+            if gluon_decode.has_key_table(preset):
                 gluon_decode.key_pairs(preset, device)
             gluon_decode.orders(preset.head_dim, device)
         # kept arrival counts for 1024 row blocks of a write, zeroed now (not inside CUDA-graph capture)
