@@ -254,11 +254,24 @@ def _three_bit_fields(preset: Preset) -> bool:
     return preset.key_bits == 3 and not preset.key_fp8 or preset.value_bits == 3
 
 
+MAXNREG_ENV = "TQKV_FRAGMENT_MAXNREG"
+
+
 def maxnreg(dim: int, prefetch: int = 0) -> int:
     """The register cap: 4 programs an SM at head 128 (123 registers, no spills with triton 3.6), 168 at 256.
     Words prefetched a tile ahead (``prefetch`` 2) hold ~40 registers more: 168 at head 128 (3 programs an SM),
     255 at 256 (2). (Block ids a tile ahead, ``prefetch`` 1, at head 256 with STAGE 1 / 2: 8-16 bytes of spills
-    under 168, triton 3.6.)"""
+    under 168, triton 3.6.)
+
+    ``TQKV_FRAGMENT_MAXNREG`` (a number, 64 to 255) sets the cap for every launch instead, for the next A/B (so
+    that the engine runs can take it): with the key table, which frees the permute lookup's registers, PREFETCH 2
+    at head 128 compiles under 128 without loop spills (sm_90a, triton 3.6: 4bit_nc 516 SASS a tile and 4 bytes
+    spilled outside the loop, tqkv_4bit_pc 425 and none, the 3-bit presets none), so 4 programs an SM instead
+    of 3; untimed (``h200-kernels-notes.md``, thirteenth session)."""
+    if (forced := os.environ.get(MAXNREG_ENV)) is not None:
+        if not (forced.isdigit() and 64 <= int(forced) <= 255):
+            raise ValueError(f"{MAXNREG_ENV}={forced!r}: expected a number of registers from 64 to 255")
+        return int(forced)
     if prefetch == 2:
         return 168 if dim <= 128 else 255
     return 128 if dim <= 128 else 168

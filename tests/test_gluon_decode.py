@@ -313,6 +313,15 @@ def test_prefetch_and_stage_settings_and_the_register_cap(monkeypatch):
     assert [gluon_decode.maxnreg(d, 0) for d in (128, 256)] == [128, 168]
     assert [gluon_decode.maxnreg(d, 2) for d in (128, 256)] == [168, 255]
     assert triton_attention.programs_per_sm(gluon_decode.maxnreg(128, 2), gluon_decode.NUM_WARPS) == 3
+    # TQKV_FRAGMENT_MAXNREG: one cap for every launch (the A/B of 128 at PREFETCH 2), and the occupancy with it
+    monkeypatch.setenv(gluon_decode.MAXNREG_ENV, "128")
+    assert [gluon_decode.maxnreg(d, f) for d in (128, 256) for f in (0, 2)] == [128] * 4
+    assert triton_attention.programs_per_sm(gluon_decode.maxnreg(128, 2), gluon_decode.NUM_WARPS) == 4
+    for bad in ("32", "256", "many", ""):
+        monkeypatch.setenv(gluon_decode.MAXNREG_ENV, bad)
+        with pytest.raises(ValueError, match="64 to 255"):
+            gluon_decode.maxnreg(128, 2)
+    monkeypatch.delenv(gluon_decode.MAXNREG_ENV)
     p = tqkv_compile.get_preset("turboquant_4bit_nc", 128)
     monkeypatch.delenv(gluon_decode.STAGE_ENV, raising=False)
     assert gluon_decode.default_stage() == 1 and gluon_decode.default_stage(p) == 1
