@@ -22,6 +22,9 @@
 #   bash bench/h200_session.sh variants          decode kernels (4bit_nc, k8v4; VARIANT_PRESETS / VARIANT_CASES) and
 #                                                kv_write of each .variants/ tree (bench/make_variants.sh), beside
 #                                                FA3 and vLLM's, in one run: $OUT/h200-variants.json, $OUT/variants.log
+#   bash bench/h200_session.sh regs              the fragment kernel's register cap, 168 (3 programs an SM) against 128
+#                                                (4) and 3 splits, timed; the winner kept in /root/tqkv-ab.env, which
+#                                                every later stage on the machine reads (REGS_PRESETS, REGS_CASES)
 #   bash bench/h200_session.sh fragments         gluon_decode's fragment kernel's loops (FRAG_LOOPS, PREFETCH:STAGE
 #                                                [:KEY_TABLE]): checked against the reference (heads 128 / 256), then
 #                                                all timed against the stream kernel in one command (FRAG_CASES,
@@ -51,6 +54,11 @@ if [ ! -d /root/nvcache ] && ls .gpu/nvcache/nvcache.tgz.* >/dev/null 2>&1; then
     fi
 fi
 step() { echo "[h200 $(date +%T)] $*" | tee -a "$OUT/steps.log" >&2; }
+# choices an earlier command on this machine made from its own measurement (the regs stage), for the rest
+if [ -f /root/tqkv-ab.env ]; then
+    set -a; . /root/tqkv-ab.env; set +a
+    step "choices from an earlier command on this machine: $(tr '\n' ' ' < /root/tqkv-ab.env)"
+fi
 
 if ! python3 -c "import vllm" 2>/dev/null; then
     if [ -f /root/tqkv-bundle/install_bundle.sh ]; then
@@ -185,6 +193,19 @@ tune)
     python3 -c "import json, sys
 for r in json.load(open(sys.argv[1]))[1:]: print(r['preset'], f\"{r['B']}x{r['L']}\", r.get('us', r.get('error', '')[:80]), r['variant'])" \
         "$OUT/h200-tune.json" || tail -5 "$OUT/tune.log"
+    ;;
+regs)
+    # the fragment kernel's register cap: today's (168 at PREFETCH 2: 3 programs an SM) against 128 (4 an SM;
+    # with the key table no spills in the loop: h200-kernels-notes.md, thirteenth session) and, for the split
+    # count's cap, 3 splits; each twice in one command. 128 is kept for the later stages where it is 2% faster
+    # over the 4-bit presets' cases (TQKV_FRAGMENT_MAXNREG=128 in /root/tqkv-ab.env)
+    : ${REGS_PRESETS:=turboquant_4bit_nc,tqkv_4bit_pc,turboquant_k3v4_nc} ${REGS_CASES:=64x32768,128x16384,64x4096,1x32768}
+    step "fragment kernel, register cap 168 / 128 and 3 splits: $REGS_PRESETS at $REGS_CASES"
+    timeout ${REGS_TIMEOUT:-450} python3 -m tqkv_compile.bench_kernels --tune --presets $REGS_PRESETS \
+        --cases $REGS_CASES --out "$OUT/h200-regs.json" \
+        --variants '[{}, {"maxnreg": 128}, {"splits": 3}, {}, {"maxnreg": 128}, {"splits": 3}]' > "$OUT/regs.log" 2>&1
+    python3 bench/pick_regs.py "$OUT/h200-regs.json" /root/tqkv-ab.env 2>&1 | tee -a "$OUT/steps.log" \
+        || tail -5 "$OUT/regs.log"
     ;;
 fragments)
     # the fragment kernel's loops, PREFETCH:STAGE[:KEY_TABLE] (PREFETCH 1: block ids a tile ahead, 2: and the
