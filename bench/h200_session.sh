@@ -200,6 +200,7 @@ regs)
     # count's cap, 3 splits; each twice in one command. 128 is kept for the later stages where it is 2% faster
     # over the 4-bit presets' cases (TQKV_FRAGMENT_MAXNREG=128 in /root/tqkv-ab.env)
     : ${REGS_PRESETS:=turboquant_4bit_nc,tqkv_4bit_pc,turboquant_k3v4_nc} ${REGS_CASES:=64x32768,128x16384,64x4096,1x32768}
+    unset TQKV_FRAGMENT_MAXNREG  # (the default variant is today's cap, whatever an earlier run chose)
     step "fragment kernel, register cap 168 / 128 and 3 splits: $REGS_PRESETS at $REGS_CASES"
     timeout ${REGS_TIMEOUT:-450} python3 -m tqkv_compile.bench_kernels --tune --presets $REGS_PRESETS \
         --cases $REGS_CASES --out "$OUT/h200-regs.json" \
