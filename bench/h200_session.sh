@@ -30,7 +30,7 @@
 #                                                all timed against the stream kernel in one command (FRAG_CASES,
 #                                                FRAG_PRESETS, FRAG_CHECK_LOOPS)
 #   bash bench/h200_session.sh profile           ncu (full set, text) of the fragment kernel at PROFILE_CASE (64x32768)
-#                                                for PROFILE_PRESETS x PROFILE_LOOPS (4bit_nc, k8v4 x PREFETCH:STAGE 0:1 0:3 2:1)
+#                                                for PROFILE_PRESETS x PROFILE_LOOPS (4bit_nc, k8v4 x PREFETCH:STAGE 0:1 2:1)
 #   bash bench/h200_session.sh install           only the install (above every stage), e.g. before a command's own steps
 #   bash bench/h200_session.sh diagnose          why an eager tqkv run did not finish (h200-vllm020-notes.md)
 #   bash bench/h200_session.sh fa2               vLLM's FA2 first-launch times (driver JIT from sm_80 PTX on
@@ -211,8 +211,7 @@ regs)
 fragments)
     # the fragment kernel's loops, PREFETCH:STAGE[:KEY_TABLE] (PREFETCH 1: block ids a tile ahead, 2: and the
     # words, register double buffering; STAGE 1 / 2: a warp loads a position's words in one run, moved into the
-    # fragments' layout through shared memory as 16- / 32-bit words; STAGE 3, a ring of cp.async copies (4-bit
-    # keys and values only); KEY_TABLE: the 4-bit keys' lookup, 0 byte permutes, 32 (8) a table of pairs in
+    # fragments' layout through shared memory as 16- / 32-bit words; KEY_TABLE: the 4-bit keys' lookup, 0 byte permutes, 32 (8) a table of pairs in
     # shared memory with that many copies, absent: the default; 2:1:32 the default since 2026-12-05 14:20, 2:2:32
     # the fewest instructions): each checked against the reference, then all timed against the stream kernel
     # in one command. FRAG_CHECK_LOOPS="" skips the checks, FRAG_LOOPS="" the timing (to split them over two calls
@@ -247,7 +246,7 @@ profile)
     NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
     [ -n "$NCU" ] || { echo "no ncu on this machine" >&2; exit 2; }
     for preset in $(echo ${PROFILE_PRESETS:-turboquant_4bit_nc,turboquant_k8v4} | tr , ' '); do
-        for loop in ${PROFILE_LOOPS:-0:1 0:3 2:1}; do  # PREFETCH:STAGE
+        for loop in ${PROFILE_LOOPS:-0:1 2:1}; do  # PREFETCH:STAGE
             pf=${loop%:*} st=${loop#*:}
             step "ncu: $preset ${PROFILE_CASE:=64x32768} fragment kernel prefetch $pf stage $st"
             timeout ${PROFILE_TIMEOUT:-150} "$NCU" --kernel-name regex:fragment_kernel --launch-skip 2 --launch-count 1 \

@@ -236,7 +236,8 @@ def main() -> int:
                              "that many copies; 0: byte permutes)")
     parser.add_argument("--fragment-stage", type=int, choices=(0, 1, 2, 3), default=0,
                         help="the fragment kernel's STAGE (1 / 2: words loaded a position a warp, moved through "
-                             "shared memory as 16- / 32-bit words; 3: a ring of cp.async copies, 4-bit presets)")
+                             "shared memory as 16- / 32-bit words; 3: a ring of cp.async copies, 4-bit presets, in "
+                             "trees up to 54f6150: --tree)")
     parser.add_argument("--site", help="a site-packages read after this interpreter's own (see the module doc)")
     parser.add_argument("--tree", help="compile this checkout's kernels (see the module doc)")
     parser.add_argument("--query-in-kernel", choices=("auto", "yes", "no"), default="auto",

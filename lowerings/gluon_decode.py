@@ -33,15 +33,12 @@ Loops (constexprs): STAGE 1 / 2 load a position's words as a warp's run and move
 through shared memory (each thread loading its fragments' own words makes a warp's load instruction touch 8-11
 cache lines: ``bench/load_lines.py``), and read 3-bit fields too: a group's three words in one thread, repacked
 into the 4-bit words' format (:func:`_spread3x8`) before the move, 3-bit keys looked up by :func:`_lut3_pairs`;
-PREFETCH 1 / 2 load a tile ahead (2 the default: :func:`default_prefetch`). STAGE 3 (opt-in, 4-bit keys and
-values; checked on an H100, and slower there than STAGE 1: :func:`default_stage`) keeps a ring of 3 tiles (2 at head
-256) in shared memory filled by asynchronous copies (cp.async, 4 bytes each, from each slot's word rounded down:
-a slot may start 2 bytes into a word), so that 2 tiles' loads (1) are in flight while one is computed without
-holding them in registers; the words are read back as aligned 32-bit words straight into the fragments' layouts
-(:func:`_ring_columns`).
+PREFETCH 1 / 2 load a tile ahead (2 the default: :func:`default_prefetch`). (A STAGE 3, a ring of tiles in
+shared memory filled by cp.async copies, was checked on an H100 and 0.89x STAGE 1 there; deleted on 2026-12-05,
+its code is in git at 54f6150: :func:`default_stage`.)
 
 Key lookup (4-bit keys): byte permutes from eight registers (:func:`_lut4_pairs`, 11 instructions a word of four
-codes, a third of the loop's issue) with ``TQKV_FRAGMENT_KEY_TABLE=0``; by default (32; on Hopper, not at STAGE 3)
+codes, a third of the loop's issue) with ``TQKV_FRAGMENT_KEY_TABLE=0``; by default (32; on Hopper)
 from a table of the 256 fp16 pairs in shared memory (:func:`_table4_pairs`: 6 instructions a word, two of them
 shared loads), kept past Triton's own shared memory with 32 copies side by side so that a warp's lanes hit
 different banks: 1.05-1.06x at 64 x 32768 on an H100 (:func:`default_key_table`).
@@ -66,11 +63,8 @@ import torch
 try:  # Gluon is experimental (triton 3.5+); without it the kernel is simply unavailable
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
+    from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
-    # cp.async into shared memory (STAGE 3): async_load from triton 3.7 on (async_copy_global_to_shared, 3.6's
-    # name, raises there)
-    _async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
     _barrier = getattr(gl, "thread_barrier", None) or gl.barrier  # (bar.sync of the CTA: 3.6's name; gl.barrier in 3.9)
 except ImportError:  # pragma: no cover - older triton
     gluon = None
@@ -138,8 +132,8 @@ def default_prefetch(preset: Preset | None = None) -> int:
     2): 4bit_nc 1390 / 1328 / 1270, k8v4 1442 / 1387 / 1400, k3v4_nc 1392 / 1350 / 1289, 3bit_nc 1461 / 1406 /
     1394; 1 x 32768 alike (4bit_nc 39.3 / 38.6 / 36.7); at 64 x 4096 1 and 2 tie for 4-bit keys (180.8 / 180.3)
     and 2 loses for fp8 keys (k8v4 175.1 / 169.9 / 192.5). The profile of PREFETCH 0 said latency binds; 2 hides
-    some of it (DRAM 54% of peak against 47% for STAGE 3's cp.async ring, 1541 against 1828 us under Nsight
-    Compute)."""
+    some of it (DRAM 54% of peak against 47% for a ring of cp.async copies, the deleted STAGE 3: 1541 against
+    1828 us under Nsight Compute)."""
     if preset is not None and preset.head_dim > 128:
         fallback = "0"
     else:
@@ -151,7 +145,7 @@ STAGE_ENV = "TQKV_FRAGMENT_STAGE"
 
 
 def default_stage(preset: Preset | None = None) -> int:
-    """The kernel's STAGE when the caller names none: ``TQKV_FRAGMENT_STAGE`` (0, 1, 2 or 3), default 1 (2 for
+    """The kernel's STAGE when the caller names none: ``TQKV_FRAGMENT_STAGE`` (0, 1 or 2), default 1 (2 for
     ``preset``'s with 3-bit fields: the loop checked on the H200 for them; 1 was timed but not checked). 0: each
     thread loads its fragments' words itself, so a warp's load instruction reads 8 bytes of each of 8 positions
     (8-11 cache lines: the L1 serves one a cycle). 1 loads each position's words as one contiguous run of a warp
@@ -160,20 +154,20 @@ def default_stage(preset: Preset | None = None) -> int:
     H200, 2026-12-05 09:32, one command (``h200-fragments-stage.json``), us at 64 x 32768 for STAGE 0 / 1 / 2:
     4bit_nc 1574 / 1362 / 1359, k8v4 1545 / 1124 / 1182, k3v4_nc - / 1355 / 1372, 3bit_nc - / 1480 / 1457 (1 x 32768
     and 64 x 4096 alike). 1 is the best or within 1.6% of it for every preset, and the loop the kernel table
-    and the end-to-end runs of that session used; 2 stays for the A/B. 3 (opt-in, 4-bit keys and values only:
-    :func:`supports`): a ring of 3 tiles (2 at head 256) in shared memory filled by asynchronous copies
-    (cp.async), 2 tiles (1) in flight while one is computed, for the latency the profile of STAGE 1 shows;
-    compiled for sm_90a only; checked on an H100 (0 failures) and 0.89x STAGE 1 there (1556 against 1390 us at
-    64 x 32768: its ring hides latency, its 717 instructions a tile cost more; :func:`_ring_columns`)."""
+    and the end-to-end runs of that session used; 2 stays for the A/B (H100, 2026-12-05 16:18, with the key
+    table: 4bit_nc 1203 / 1283 us at 64 x 32768 for 1 / 2, ``h100-fragments-stage2.json``). STAGE 3, a ring of 3
+    tiles in shared memory filled by asynchronous copies (cp.async) for the latency the profile of STAGE 1
+    shows, was checked on an H100 (0 failures) and 0.89x STAGE 1 there (1556 against 1390 us at 64 x 32768: its
+    ring hid latency, its 717 instructions a tile cost more; with the key table it would have held 85 KB a
+    program); deleted on 2026-12-05 (in git at 54f6150)."""
     three_bit = preset is not None and _three_bit_fields(preset)
-    return int(_setting(STAGE_ENV, "2" if three_bit else "1", ("0", "1", "2", "3")))
+    return int(_setting(STAGE_ENV, "2" if three_bit else "1", ("0", "1", "2")))
 
 
 KEY_TABLE_ENV = "TQKV_FRAGMENT_KEY_TABLE"
 
 
-def default_key_table(preset: Preset | None = None, stage: int | None = None,
-                      device: torch.device | None = None) -> int:
+def default_key_table(preset: Preset | None = None, device: torch.device | None = None) -> int:
     """How 4-bit keys are looked up when the caller names nothing: ``TQKV_FRAGMENT_KEY_TABLE`` 32 (the default,
     on the Tritons whose compiled kernels :func:`reserve_shared` can grow: 3.6 to 3.9) or 0. 32: a table of the
     256 fp16 pairs in shared memory (:func:`_table4_pairs`: two byte extracts, two multiply-adds and two shared
@@ -183,12 +177,11 @@ def default_key_table(preset: Preset | None = None, stage: int | None = None,
     failures, ``h100-key-table-check.txt``), us at 64 x 32768 for 0 / 32 (8 copies: 2-3 lanes a bank): 4bit_nc
     1284 / 1211 (1301), tqkv_4bit_pc 1246 / 1186 (1271); 1 x 32768 36.1 / 35.6 and 35.5 / 34.5. Statically
     (sm_90a, triton 3.6, STAGE 1): 608 -> 518 SASS a tile (4bit_nc, PREFETCH 2), 526 -> 432 (tqkv_4bit_pc), 969 ->
-    815 (4bit_nc head 256, PREFETCH 0). Other keys (fp8, 3-bit) have no table: 0. Unset, also 0 at ``stage`` 3
-    (its ring's 53 KB and the table's 32 would halve the programs an SM; untimed) and on GPUs other than
-    Hopper (``device``; timed on an H100 only)."""
+    815 (4bit_nc head 256, PREFETCH 0). Other keys (fp8, 3-bit) have no table: 0. Unset, also 0 on GPUs other
+    than Hopper (``device``; timed on an H100 only)."""
     if preset is not None and not has_key_table(preset):
         return 0
-    fallback = _growable_launches() and stage != 3 and (
+    fallback = _growable_launches() and (
         device is None or device.type != "cuda" or torch.cuda.get_device_capability(device)[0] == 9)
     return int(_setting(KEY_TABLE_ENV, "32" if fallback else "0", ("0", "32", "8")))
 
@@ -281,13 +274,7 @@ def supports(preset: Preset, kv_cache: torch.Tensor, group: int, device: torch.d
              stage: int | None = None) -> str | None:
     """None where the kernel can serve the call at ``stage`` (default :func:`default_stage`), else why not (a
     sentence). 3-bit fields (turboquant_k3v4_nc, turboquant_3bit_nc) are read at STAGE 1 / 2 only: their words
-    are repacked into the 4-bit words' format in the row layout, before the move. STAGE 3 reads 4-bit keys and
-    values (turboquant_4bit_nc, tqkv_4bit_pc) and needs block and position strides of multiples of 4 bytes: it
-    copies whole 4-byte words from each slot's word (rounded down), and reads the slot at the half-word offset of
-    the kv head's first slot, so all of a program's slots must share it (the storage offset and the kv head
-    stride may be 2 mod 4: the parity picks the kernel's byte selectors and shifts, uniform, no branch). Its
-    copies reach up to 2 bytes before and after a slot, inside the 4-byte words that hold the slot's first and
-    last bytes (so inside the allocation)."""
+    are repacked into the 4-bit words' format in the row layout, before the move."""
     if gluon is None:
         return "this triton has no Gluon"
     if device.type != "cuda":
@@ -311,12 +298,6 @@ def supports(preset: Preset, kv_cache: torch.Tensor, group: int, device: torch.d
         return "the cache's fields and strides must be 2-byte aligned"
     if preset.key_fp8 and any(o % 4 for o in offsets[:4]):
         return "fp8 keys are read as 32-bit words: the cache's slots must be 4-byte aligned"
-    if stage == 3:
-        if preset.key_fp8 or preset.key_bits != 4 or preset.value_bits != 4:
-            return f"{preset.name}: TQKV_FRAGMENT_STAGE 3 reads 4-bit keys and 4-bit values only"
-        if any(st % 4 for st in kv_cache.stride()[:2]):
-            return ("TQKV_FRAGMENT_STAGE 3 copies 4-byte words: the cache's block and position strides must be "
-                    "multiples of 4 bytes (one half-word parity for all of a kv head's slots)")
     from tqkv_compile.lowerings.triton_attention import _halves_span
 
     if _halves_span(kv_cache) >= 2**31:
@@ -381,26 +362,10 @@ def layouts(dim: int) -> dict:
     field_regs = gl.DistributedLinearLayout(
         reg_bases=[[0, 1], [0, 2], [8, 0]], lane_bases=[[0, 0], [0, 0], [1, 0], [2, 0], [4, 0]],
         warp_bases=[[16, 0], [32, 0]], block_bases=[], shape=[BLOCK_N, 4])
-    # STAGE 3 (a ring of cp.async copies: _ring_columns): a tile's buffer [64, D / 2] int32, a position a row,
-    # copied as ROW_WORDS copies (lanes along 32 consecutive words, registers along the warp's 16 rows, then the
-    # next 32 words); the key words read back as 32-bit pairs of 16-bit words x and the same one word later y,
-    # a thread's KT / 2 pairs of KEY_WORDS' row and their y in its registers
-    # (thread t's x at columns 8 t + 4 j + k, its y Y = 4 (head 128: side by side) or D / 8 columns (256) later:
-    # with the ring's rows XOR swizzled by 16-byte chunks, the 8 lanes of a 128-byte wavefront, t and row bit 0,
-    # hit 8 different chunks)
-    key_pairs = gl.DistributedLinearLayout(
-        reg_bases=[[0, k] for k in _bits(kt // 2)] + [[8, 0], [0, 4 if dim <= 128 else dim // 8]],
-        lane_bases=[[0, 8], [0, 16], [1, 0], [2, 0], [4, 0]],
-        warp_bases=[[16, 0], [32, 0]], block_bases=[], shape=[BLOCK_N, dim // 4])
-    ring_words = gl.DistributedLinearLayout(
-        reg_bases=[[1, 0], [2, 0], [4, 0], [8, 0]] + [[0, 32 * k] for k in _bits(dim // 64)],
-        lane_bases=[[0, 1], [0, 2], [0, 4], [0, 8], [0, 16]], warp_bases=[[16, 0], [32, 0]], block_bases=[],
-        shape=[BLOCK_N, dim // 2])
     # the key pair table's fill (_fill_key_table): consecutive words across a warp's lanes
     table_fill = gl.BlockedLayout([1], [32], [NUM_WARPS], [0])
     return dict(TABLE_FILL=table_fill, ROW_WORDS=row_words, ROW_SLOTS=row_slots, ROW3_WORDS=row3_words,
-                ROW3_SLOTS=row3_slots, FIELD_ROWS=field_rows, FIELD_REGS=field_regs, MMA=mma, RING_WORDS=ring_words,
-                KEY_PAIRS=key_pairs,
+                ROW3_SLOTS=row3_slots, FIELD_ROWS=field_rows, FIELD_REGS=field_regs, MMA=mma,
                 A_OP=gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2),
                 B_OP=gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2),
                 KEY_WORDS=key_words, VALUE_WORDS=value_words, KEY_SLOTS=key_slots, VALUE_SLOTS=value_slots)
@@ -787,128 +752,6 @@ if gluon is not None:
                 gl.convert_layout(vzero, ROWS, assert_trivial=True).to(gl.float32))
 
     @gluon.jit
-    def _ring_base(cache_ptr, head_base):
-        """STAGE 3: (a 4-byte aligned int32 pointer at or 2 bytes below ``cache_ptr``, the kv head's first slot
-        from it in words (rounded down), the program's parity ``odd``: its slots start at half-word ``odd`` of a
-        word). The cache pointer itself may sit 2 bytes past a word (a view's storage offset); with the block and
-        position strides multiples of 4 bytes (:func:`supports`) every slot of a kv head has its first's parity."""
-        lead = ((cache_ptr.to(gl.int64) >> 1) & 1).to(gl.int32)  # half-words past the word below the pointer
-        wptr = (cache_ptr - 2 * lead).to(gl.pointer_type(gl.int32), bitcast=True)
-        halves = head_base + lead
-        return wptr, halves >> 1, halves & 1
-
-    @gluon.jit
-    def _ring_columns(odd, D: gl.constexpr, VALUE_OFFSET: gl.constexpr, RING_WORDS: gl.constexpr):
-        """STAGE 3: which word of its slot (counted from the slot's first word, rounded down) each column of a
-        tile's buffer row receives, and which columns are copied. A slot's 16-bit words start at half-word
-        ``odd`` of its first word and the value words VALUE_OFFSET / 2 = D / 4 + 1 halves later, so for either
-        parity one of the two is not word aligned; the buffer is read in whole aligned words only (a memory
-        view cannot start at an odd half-word: a slice's start must be a multiple of its length, and Triton
-        vectorizes shared loads assuming aligned views), so the row is laid out for that:
-
-        - columns 0 .. D / 4: the key words' words (halves ``odd`` ..: words 0 ..) and the same one word later
-          (copied for ``odd`` only), the second copy Y = 4 columns after the first at head 128 (alternate 16-byte
-          chunks), D / 8 at 256 (the second half): a thread's 32-bit pair of key words is one byte permute of
-          the two (:func:`_ring_keys`);
-        - columns D / 4 + c, c < D / 4: the word holding value word c (half-word V + ``odd`` + c, V =
-          VALUE_OFFSET / 2), each word twice: the value layout gives 16-bit words of one pair to two lanes, and
-          each reads its own 32-bit word and shifts its half down.
-
-        D / 2 words a row (64 at head 128) where a slot holds 33.5 (+ 2 for the fields, in their own buffer:
-        :func:`_field_columns`); 56 copied for ``odd``, 48 else."""
-        gl.static_assert((VALUE_OFFSET // 2) % 2 == 1, "4-bit slots: the value words start at an odd half-word")
-        W: gl.constexpr = D // 8  # words of the key codes
-        V: gl.constexpr = VALUE_OFFSET // 2
-        c = gl.arange(0, D // 2, layout=gl.SliceLayout(0, RING_WORDS))
-        Y: gl.constexpr = 4 if D <= 128 else D // 8  # (KEY_PAIRS' second-copy column)
-        key = (c // (2 * Y)) * Y + c % Y + (c // Y) % 2  # (+ 1: the second copy)
-        word = gl.where(c < 2 * W, key, (V + odd + c - 2 * W) >> 1)
-        return word, (c >= 2 * W) | ((c // Y) % 2 == 0) | (odd == 1)
-
-    @gluon.jit
-    def _field_columns(KEY_CODE_BYTES: gl.constexpr, VALUE_OFFSET: gl.constexpr, VALUE_CODE_BYTES: gl.constexpr,
-                       FIELD_ROWS: gl.constexpr):
-        """STAGE 3: the fields' buffer row [4] int32: the words of the key norm (half-word K = KEY_CODE_BYTES / 2
-        + ``odd``: even K, one word either way), and the two around the value scale and zero (half-words S +
-        ``odd`` and S + 1 + ``odd``, S odd); column 3 is not copied. Read by :func:`_ring_fields`."""
-        gl.static_assert((KEY_CODE_BYTES // 2) % 2 == 0, "4-bit slots: the key norm starts at an even half-word")
-        S: gl.constexpr = (VALUE_OFFSET + VALUE_CODE_BYTES) // 2
-        gl.static_assert(S % 2 == 1, "4-bit slots: the value scale starts at an odd half-word")
-        c = gl.arange(0, 4, layout=gl.SliceLayout(0, FIELD_ROWS))
-        return gl.where(c == 0, KEY_CODE_BYTES // 4, (S - 1) // 2 + c - 1), c < 3
-
-    @gluon.jit
-    def _copy_tile(wptr, dst, fdst, block, start, end, w_blk, w_base, word, copied, fword, fcopied,
-                   RING_WORDS: gl.constexpr, ROW_SLOTS: gl.constexpr, FIELD_ROWS: gl.constexpr,
-                   KEY_SLOTS: gl.constexpr, W_POS: gl.constexpr, BLOCK: gl.constexpr, BLOCK_SIZE: gl.constexpr):
-        """STAGE 3: issue the asynchronous copies (cp.async, 4 bytes each) of the tile at ``start``: into ``dst``
-        ([64, D / 2] int32, a position a row) column c gets word ``word[c]`` of the position's slot where
-        ``copied[c]`` (:func:`_ring_columns`; a warp's instruction copies 32 columns of one position: runs of
-        consecutive words), into ``fdst`` ([64, 4]) the fields' words (:func:`_field_columns`; 8 positions a
-        warp's instruction). The kv head's first slot is word ``w_base`` from ``wptr``. Positions past ``end``
-        are masked off: cp.async with source size 0 writes zeros (their fields read 0, as STAGE 1's masked
-        loads give; their words are dropped as STAGE 1's)."""
-        rows = _position_pointers(wptr, block, start, w_blk, w_base, ROW_SLOTS, gl.SliceLayout(1, RING_WORDS),
-                                  W_POS, BLOCK, BLOCK_SIZE)
-        live = start + gl.arange(0, BLOCK, layout=gl.SliceLayout(1, RING_WORDS)) < end
-        _async_load(dst, rows[:, None] + word[None, :], mask=live[:, None] & copied[None, :])
-        frows = _position_pointers(wptr, block, start, w_blk, w_base, KEY_SLOTS, gl.SliceLayout(1, FIELD_ROWS),
-                                   W_POS, BLOCK, BLOCK_SIZE)
-        flive = start + gl.arange(0, BLOCK, layout=gl.SliceLayout(1, FIELD_ROWS)) < end
-        _async_load(fdst, frows[:, None] + fword[None, :], mask=flive[:, None] & fcopied[None, :])
-
-    @gluon.jit
-    def _permute(x, y, selector):
-        """prmt.b32: bytes of (``x``, ``y``) picked by ``selector`` (a uniform value): the 16-bit words a thread
-        needs out of two aligned 32-bit words (their upper 16 bits are never read: :func:`_lut4_pairs` and
-        :func:`_value_pairs` read a word's low half)."""
-        return gl.inline_asm_elementwise("prmt.b32 $0, $1, $2, $3;", "=r,r,r,r", [x, y, x * 0 + selector],
-                                         dtype=gl.int32, is_pure=True, pack=1)
-
-    @gluon.jit
-    def _ring_keys(tile, first_sel, second_sel, KEY_PAIRS: gl.constexpr, KEY_WORDS: gl.constexpr):
-        """STAGE 3: the key words [64, D / 4] (int32, their low halves) in ``KEY_WORDS`` from a landed buffer:
-        a thread's 32-bit pairs x and the same one word later y (:func:`_ring_columns`), each 16-bit word one byte
-        permute of them (``first_sel`` / ``second_sel``: aligned x's low and high half, misaligned x's high half
-        and y's low half)."""
-        n: gl.constexpr = KEY_PAIRS.shape[1] // 2
-        Y: gl.constexpr = 4 if n <= 16 else n  # the second copy's column offset (head 128: 4, 256: D / 8)
-        both = tile.slice(0, 2 * n, dim=1).load(KEY_PAIRS)  # [64, 2 n]: column 2 Y a + Y s + b, pair Y a + b
-        both = gl.permute(gl.reshape(both, [both.shape[0], n // Y, 2, Y]), (0, 1, 3, 2))  # [64, a, b, s]
-        x, y = gl.split(gl.reshape(both, [both.shape[0], n, 2]))
-        words = gl.join(_permute(x, y, first_sel), _permute(x, y, second_sel))  # [64, n, 2]: column 2 m + b
-        return gl.convert_layout(gl.reshape(words, [both.shape[0], 2 * n]), KEY_WORDS, assert_trivial=True)
-
-    @gluon.jit
-    def _ring_values(tile, shift, D: gl.constexpr, VALUE_WORDS: gl.constexpr):
-        """STAGE 3: the value words [64, D / 4] (int32, their low halves) in ``VALUE_WORDS`` from a landed buffer:
-        column D / 4 + c holds the word holding value word c (:func:`_ring_columns`), ``shift`` [D / 4] (0 or
-        16) brings it down."""
-        return tile.slice(D // 4, D // 4, dim=1).load(VALUE_WORDS) >> shift[None, :]
-
-    @gluon.jit
-    def _ring_fields(fields, norm_shift, scale_sel, zero_sel, FIELD_REGS: gl.constexpr, ROWS: gl.constexpr):
-        """STAGE 3: (key norm, value scale, value zero) fp32 in the score rows' layout from a landed fields
-        buffer ([64, 4] int32, :func:`_field_columns`: the norm's word n, the words a, b around the scale and the
-        zero), a row's words in a thread's registers: the norm is n's half ``norm_shift`` / 16, the scale and the
-        zero byte permutes of (a, b) (``odd``: b.lo and b.hi, else a.hi and b.lo)."""
-        w = gl.reshape(fields.load(FIELD_REGS), [fields.shape[0], 2, 2])  # [row, c // 2, c % 2]
-        first, second = gl.split(w)  # (n, b), (a, -)
-        n, b = gl.split(first)
-        a, _ = gl.split(second)
-        norm = n >> norm_shift
-        scale = _permute(a, b, scale_sel)
-        zero = _permute(a, b, zero_sel)
-        return (_half_float(gl.convert_layout(norm, ROWS, assert_trivial=True)),
-                _half_float(gl.convert_layout(scale, ROWS, assert_trivial=True)),
-                _half_float(gl.convert_layout(zero, ROWS, assert_trivial=True)))
-
-    @gluon.jit
-    def _half_float(x):
-        """int32 whose low 16 bits are an fp16 -> fp32."""
-        return x.to(gl.int16).to(gl.float16, bitcast=True).to(gl.float32)
-
-    @gluon.jit
     def fragment_kernel(q_ptr, cache_ptr, block_table_ptr, seq_lens_ptr, qsl_ptr, lut_ptr, key_order_ptr,
                         value_order_ptr, part_out_ptr, part_lse_ptr, num_seqs, max_len, s_qt, s_qh, s_bt, s_bm, h_blk, h_pos, h_head,
                         GROUP: gl.constexpr, D: gl.constexpr, BLOCK_SIZE: gl.constexpr,
@@ -920,8 +763,7 @@ if gluon is not None:
                         ROW_WORDS: gl.constexpr, ROW_SLOTS: gl.constexpr, FIELD_ROWS: gl.constexpr,
                         FIELD_REGS: gl.constexpr, H_POS: gl.constexpr, KEY_BITS: gl.constexpr,
                         VALUE_BITS: gl.constexpr, ROW3_WORDS: gl.constexpr, ROW3_SLOTS: gl.constexpr,
-                        STAGE: gl.constexpr, RING_WORDS: gl.constexpr,
-                        KEY_PAIRS: gl.constexpr, KEY_TABLE: gl.constexpr, TABLE_FILL: gl.constexpr):
+                        STAGE: gl.constexpr, KEY_TABLE: gl.constexpr, TABLE_FILL: gl.constexpr):
         BLOCK: gl.constexpr = 64
         KT: gl.constexpr = D // 16
         VJ: gl.constexpr = D // 128
@@ -1007,41 +849,10 @@ if gluon is not None:
         # PREFETCH 0: a tile's block ids, then its words, then its math (two memory round trips a tile in a row);
         # 1: the block ids a tile ahead; 2: the block ids two tiles ahead and the words one tile ahead (register
         # double buffering: the next tile's loads are in flight during this tile's math)
-        # STAGE 3: a ring of NBUF tiles in shared memory filled by cp.async, NBUF - 1 tiles in flight while one is
-        # computed (block ids a tile ahead of the copies; PREFETCH does not apply)
-        NBUF: gl.constexpr = 3 if D <= 128 else 2
-        if STAGE == 3:
-            # (the 16-byte chunks of a row XOR the row: the key pairs' 16-byte reads and the value words' 4-byte
-            # reads of rows 2 apart fall in different banks)
-            ring = gl.allocate_shared_memory(gl.int32, [NBUF, BLOCK, D // 2],
-                                             gl.SwizzledSharedLayout(4, 1, 8, order=[1, 0]))
-            field_ring = gl.allocate_shared_memory(gl.int32, [NBUF, BLOCK, 4],
-                                                   gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
-            cptr, w_base, odd = _ring_base(cache_ptr, head_base)
-            w_blk = h_blk >> 1
-            word, copied = _ring_columns(odd, D, VALUE_OFFSET, RING_WORDS)
-            fword, fcopied = _field_columns(KEY_CODE_BYTES, VALUE_OFFSET, VALUE_CODE_BYTES, FIELD_ROWS)
-            # the key pairs' byte selectors (aligned: x.lo, x.hi; misaligned: x.hi, y.lo) and the value words'
-            # shifts (value word c is the high half of its word where V + odd + c is odd)
-            key_first = gl.where(odd == 1, 0x3232, 0x3210)
-            key_second = gl.where(odd == 1, 0x5454, 0x3232)
-            vshift = ((VALUE_OFFSET // 2 + odd + vm) & 1) * 16
-            # the fields (_field_columns): the norm the low half of its word (odd: the high), the scale and the zero
-            # a.hi and b.lo (odd: b.lo and b.hi)
-            norm_shift = odd * 16
-            scale_sel = gl.where(odd == 1, 0x5454, 0x3232)
-            zero_sel = gl.where(odd == 1, 0x7676, 0x5454)
-            kb = _block_ids(bt_row, s_bm, begin, end, kg, BLOCK_SIZE)
-            for k in gl.static_range(NBUF - 1):
-                _copy_tile(cptr, ring.index(k), field_ring.index(k), kb, begin + k * BLOCK, end, w_blk, w_base, word,
-                           copied, fword, fcopied, RING_WORDS, ROW_SLOTS, FIELD_ROWS, KEY_SLOTS, H_POS // 2, BLOCK,
-                           BLOCK_SIZE)
-                async_copy.commit_group()
-                kb = _block_ids(bt_row, s_bm, begin + (k + 1) * BLOCK, end, kg, BLOCK_SIZE)
-        elif PREFETCH >= 1:
+        if PREFETCH >= 1:
             kb = _block_ids(bt_row, s_bm, begin, end, kg, BLOCK_SIZE)
             vb = _block_ids(bt_row, s_bm, begin, end, vgr, BLOCK_SIZE) if STAGE == 0 else kb
-        if PREFETCH == 2 and STAGE != 3:
+        if PREFETCH == 2:
             kw, vw, fields = _tile_loads(
                 hptr, wptr, fptr, kb, vb, begin, end, kg, kp, vgr, vp, km, vm, sn, h_blk, h_pos, head_base,
                 KEY_FP8, KEY_CODE_BYTES, VALUE_OFFSET, VALUE_CODE_BYTES, BLOCK, BLOCK_SIZE, KEY_WORDS, VALUE_WORDS,
@@ -1050,25 +861,7 @@ if gluon is not None:
             kb = _block_ids(bt_row, s_bm, begin + BLOCK, end, kg, BLOCK_SIZE)
             vb = _block_ids(bt_row, s_bm, begin + BLOCK, end, vgr, BLOCK_SIZE) if STAGE == 0 else kb
         for start in range(begin, end, BLOCK):
-            if STAGE == 3:
-                tile = (start - begin) // BLOCK
-                # tile's copies landed (this thread's: at most NBUF - 2 groups younger in flight; every thread's:
-                # the barrier), and every thread is done reading the buffer the copies below overwrite (the
-                # previous tile's: its reads came before this barrier). (Triton's own barrier analysis adds a
-                # bar.sync between these copies and the reads below: it cannot tell the ring's buffers apart.)
-                async_copy.wait_group(NBUF - 2)
-                _barrier()
-                ahead = start + (NBUF - 1) * BLOCK  # (past the end: masked off, zeros into a buffer never read)
-                slot = (tile + NBUF - 1) % NBUF
-                _copy_tile(cptr, ring.index(slot), field_ring.index(slot), kb, ahead, end, w_blk, w_base, word, copied,
-                           fword, fcopied, RING_WORDS, ROW_SLOTS, FIELD_ROWS, KEY_SLOTS, H_POS // 2, BLOCK, BLOCK_SIZE)
-                async_copy.commit_group()
-                kb = _block_ids(bt_row, s_bm, ahead + BLOCK, end, kg, BLOCK_SIZE)
-                kf = _ring_keys(ring.index(tile % NBUF), key_first, key_second, KEY_PAIRS, KEY_WORDS)
-                vf = _ring_values(ring.index(tile % NBUF), vshift, D, VALUE_WORDS)
-                knorm, vscale, vzero = _ring_fields(field_ring.index(tile % NBUF), norm_shift, scale_sel, zero_sel,
-                                                    FIELD_REGS, ROWS)
-            elif PREFETCH == 2:
+            if PREFETCH == 2:
                 kb_next = _block_ids(bt_row, s_bm, start + 2 * BLOCK, end, kg, BLOCK_SIZE)
                 vb_next = _block_ids(bt_row, s_bm, start + 2 * BLOCK, end, vgr, BLOCK_SIZE) if STAGE == 0 else kb_next
                 kw_next, vw_next, fields_next = _tile_loads(
@@ -1089,8 +882,7 @@ if gluon is not None:
                     VALUE_WORDS, ROWS, STAGE, ROW_WORDS, ROW_SLOTS, FIELD_ROWS, H_POS, KEY_BITS,
                 VALUE_BITS, ROW3_WORDS, ROW3_SLOTS, KEY_SLOTS)
             valid = start + sn < end
-            if STAGE != 3:
-                knorm, vscale, vzero = _fields(fields, ROWS, FIELD_REGS, STAGE)
+            knorm, vscale, vzero = _fields(fields, ROWS, FIELD_REGS, STAGE)
 
             if STAGE == 1:  # into the fragments' layout (through shared memory), then extended
                 if KEY_FP8:
@@ -1140,13 +932,10 @@ if gluon is not None:
             y = gl.reshape(gl.permute(y, (3, 5, 1, 4, 2, 0)), [D, BLOCK])  # [j, i // 2, w, r1, l // 4, pos]
             values = gl.convert_layout(y, A_OP, assert_trivial=True)
             acc = mma_v2(values, gl.convert_layout(ps, B_OP), acc * alpha[None, :])
-            if PREFETCH == 2 and STAGE != 3:
+            if PREFETCH == 2:
                 kw, vw, fields = kw_next, vw_next, fields_next
-            if PREFETCH >= 1 and STAGE != 3:
+            if PREFETCH >= 1:
                 kb, vb = kb_next, vb_next
-        if STAGE == 3:  # the copies past the end (masked: zeros) land before the ring's memory is reused
-            async_copy.wait_group(0)
-            _barrier()
 
         l_i = gl.sum(l_acc, axis=0)
         inv = 1.0 / l_i
@@ -1161,16 +950,15 @@ if gluon is not None:
 
 def loop_settings(preset: Preset, prefetch: int | None = None, stage: int | None = None) -> tuple[int, int]:
     """The (PREFETCH, STAGE) a launch runs for ``preset``: the defaults (:func:`default_prefetch`,
-    :func:`default_stage`) where none is named, refused outside their choices, and PREFETCH 0 at STAGE 3 (its
-    ring of copies is its prefetch), so that the register cap (:func:`maxnreg`) and the split count the
-    launcher derives from PREFETCH are the kernel's."""
+    :func:`default_stage`) where none is named, refused outside their choices, so that the register cap
+    (:func:`maxnreg`) and the split count the launcher derives from PREFETCH are the kernel's."""
     prefetch = default_prefetch(preset) if prefetch is None else int(prefetch)
     stage = default_stage(preset) if stage is None else stage
     if prefetch not in (0, 1, 2):
         raise ValueError(f"prefetch: expected 0, 1 or 2, got {prefetch!r}")
-    if stage not in (0, 1, 2, 3):
-        raise ValueError(f"stage: expected 0, 1, 2 or 3, got {stage!r}")
-    return (0 if stage == 3 else prefetch), stage
+    if stage not in (0, 1, 2):
+        raise ValueError(f"stage: expected 0, 1 or 2, got {stage!r}")
+    return prefetch, stage
 
 
 def launch(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
@@ -1181,12 +969,11 @@ def launch(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, s
     [T, Hq, D], its last stride 1). ``prefetch``: the kernel's PREFETCH (0 none, 1 block ids a tile ahead, 2 also
     the words; default :func:`default_prefetch`); ``stage``: the kernel's STAGE (0: each thread loads its
     fragments' words, 1 / 2: a warp loads a position's words together, then they move through shared memory as
-    16- / 32-bit words, 3: a ring of asynchronous copies into shared memory, checked on an H100, 0.89x STAGE 1 there;
-    default :func:`default_stage`); ``regs``: the register cap (default :func:`maxnreg`); ``key_table``: 4-bit
+    16- / 32-bit words; default :func:`default_stage`); ``regs``: the register cap (default :func:`maxnreg`); ``key_table``: 4-bit
     keys looked up by byte permutes (0) or from a table of pairs in shared memory with that many copies (8 or
     32; default :func:`default_key_table`)."""
     prefetch, stage = loop_settings(preset, prefetch, stage)
-    copies = default_key_table(preset, stage, q.device) if key_table is None else int(key_table)
+    copies = default_key_table(preset, q.device) if key_table is None else int(key_table)
     if copies not in (0, 8, 32):  # (8: bank conflicts, slower than 0; for the A/B)
         raise ValueError(f"key_table: expected 0, 32 or 8, got {key_table!r}")
     if not has_key_table(preset):

@@ -978,8 +978,7 @@ def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: t
     :mod:`tqkv_compile.lowerings.inductor_ops`). ``out``: where the merge stores the answer (the query's shape
     and dtype, any strides; default a new tensor). ``prefetch``: the stream kernel's hand prefetch (a bool,
     default off) or the fragment kernel's PREFETCH (0, 1 or 2, default :func:`gluon_decode.default_prefetch`;
-    True is 1 there), whichever kernel runs; ``stage``: the fragment kernel's STAGE (0, 1 or 2, or 3: the
-    cp.async ring, 4-bit presets, checked on an H100 and slower than 1 there; default
+    True is 1 there), whichever kernel runs; ``stage``: the fragment kernel's STAGE (0, 1 or 2; default
     :func:`gluon_decode.default_stage`; the other kernels have none and ignore it).
     ``maxnreg``: the register cap (default: the measured one for the kernel and ``prefetch``). ``key_table``: the
     fragment kernel's 4-bit key lookup (0: byte permutes, 8 / 32: a table of pairs in shared memory with that many

@@ -171,7 +171,7 @@ for name, dim, prefetch, stage, *table in json.loads(sys.argv[1]):
                         norm_correction=p.norm_correction,
                         shared=shared, launch_shared=kernel.packed_metadata[2], mma=ptx.count("mma.sync.aligned.m16n8k16"),
                         loads=ptx.count("ld.global"), cp_async=ptx.count("cp.async.ca.shared.global"),
-                        cp_async_wait=ptx.count("cp.async.wait_group"), table_loads=ptx.count("ld.shared.b32"),
+                        table_loads=ptx.count("ld.shared.b32"),
                         dynamic_size=ptx.count("%dynamic_smem_size")))
 print("RESULTS " + json.dumps(results))
 """
@@ -182,7 +182,7 @@ def test_fragment_kernel_compiles_for_hopper_with_no_tile_through_shared_memory(
     convert_layout into an mma operand is asserted trivial in the kernel, so compiling is the check that the
     loaded codes are the fragments; the shared memory left is P's exchange between warps and the max's reduction
     (1 KB; the stream kernel's tiles take 19 KB), plus, at STAGE 1 / 2, the words' move into the fragments'
-    layout (STAGE 3: its ring of tiles, filled by cp.async). The loops with PREFETCH and STAGE compile too."""
+    layout. The loops with PREFETCH and STAGE compile too."""
     import json
     import os
     import subprocess
@@ -192,7 +192,6 @@ def test_fragment_kernel_compiles_for_hopper_with_no_tile_through_shared_memory(
              ["turboquant_k8v4", 128, 0, 0], ["turboquant_4bit_nc", 128, 2, 0], ["turboquant_k8v4", 128, 2, 0],
              ["turboquant_4bit_nc", 128, 0, 1], ["turboquant_4bit_nc", 256, 2, 2], ["turboquant_k8v4", 128, 2, 2],
              ["turboquant_k3v4_nc", 128, 0, 2], ["turboquant_3bit_nc", 128, 0, 1], ["turboquant_3bit_nc", 256, 2, 2],
-             ["turboquant_4bit_nc", 128, 0, 3], ["tqkv_4bit_pc", 128, 0, 3], ["turboquant_4bit_nc", 256, 0, 3],
              ["turboquant_4bit_nc", 128, 2, 1, 32], ["tqkv_4bit_pc", 128, 2, 1, 8], ["turboquant_4bit_nc", 256, 0, 1, 32]]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-c", _COMPILE, json.dumps(cases)], capture_output=True, text=True,
@@ -211,14 +210,9 @@ def test_fragment_kernel_compiles_for_hopper_with_no_tile_through_shared_memory(
             assert r["table_loads"] >= 2 * 2 * r["dim"] // 16, r
         else:
             assert r["launch_shared"] == r["shared"] and r["dynamic_size"] == 0, r
-        # STAGE 1 / 2 move the words through shared memory on purpose: at most a tile of them (64 x D / 4 words);
-        # STAGE 3 keeps a ring of tiles there: 3 (2 at head 256) buffers of 64 x D / 2 words and 64 x 4 for the
-        # fields (52 KB at head 128: 4 programs an SM still fit in the H200's 227 KB; 67 KB at 256, 3 programs)
-        if r["stage"] == 3:
-            assert r["shared"] <= 2048 + (3 if r["dim"] <= 128 else 2) * 64 * 4 * (r["dim"] // 2 + 4), r
-            assert r["cp_async"] > 0 and r["cp_async_wait"] > 0, r
-        else:
-            assert r["shared"] <= 2048 + (0 if r["stage"] == 0 else 64 * r["dim"]), r
+        # STAGE 1 / 2 move the words through shared memory on purpose: at most a tile of them (64 x D / 4 words)
+        assert r["shared"] <= 2048 + (0 if r["stage"] == 0 else 64 * r["dim"]), r
+        assert r["cp_async"] == 0, r  # (no copies into shared memory: the ring of STAGE 3 is gone)
         # one mma.sync a k-step of each warp's 16 key rows (twice with the norm's sum of squares), and for the
         # values D / 64 row tiles of 4 k-steps: nothing else goes through the tensor cores
         kt = r["dim"] // 16
@@ -329,7 +323,7 @@ def test_prefetch_and_stage_settings_and_the_register_cap(monkeypatch):
     monkeypatch.setenv(gluon_decode.STAGE_ENV, "1")
     assert gluon_decode.default_stage(tqkv_compile.get_preset("turboquant_3bit_nc", 128)) == 1
     monkeypatch.setenv(gluon_decode.STAGE_ENV, "4")
-    with pytest.raises(ValueError, match="0, 1, 2 or 3"):
+    with pytest.raises(ValueError, match="0, 1 or 2"):
         gluon_decode.default_stage()
     monkeypatch.delenv(gluon_decode.STAGE_ENV)
     args = (torch.zeros(1, 4, 128), torch.zeros(4, 16, 1, p.slot_bytes, dtype=torch.uint8),
@@ -337,17 +331,17 @@ def test_prefetch_and_stage_settings_and_the_register_cap(monkeypatch):
             torch.zeros(1, 4, 1, 128), torch.zeros(1, 4, 1), p, 4, 1, 1)
     with pytest.raises(ValueError, match="prefetch: expected 0, 1 or 2"):
         gluon_decode.launch(*args, prefetch=3)
-    # the loop a launch runs, as the launcher sizes it (its register cap): STAGE 3's ring is its prefetch
-    assert gluon_decode.loop_settings(p, 2, 3) == (0, 3) and gluon_decode.loop_settings(p, True, 1) == (1, 1)
+    # the loop a launch runs, as the launcher sizes it (its register cap)
+    assert gluon_decode.loop_settings(p, 2, 2) == (2, 2) and gluon_decode.loop_settings(p, True, 1) == (1, 1)
     monkeypatch.delenv(gluon_decode.PREFETCH_ENV)
     assert gluon_decode.loop_settings(p) == (2, 1)
-    with pytest.raises(ValueError, match="stage: expected 0, 1, 2 or 3"):
+    with pytest.raises(ValueError, match="stage: expected 0, 1 or 2"):
         gluon_decode.launch(*args, prefetch=0, stage=4)
 
 
 def test_key_table_setting(monkeypatch):
     """TQKV_FRAGMENT_KEY_TABLE: 32 copies by default for 4-bit keys on the Tritons whose launches can grow (3.6-3.9),
-    except at STAGE 3 (and on GPUs other than Hopper: timed on an H100 only); none for fp8 and 3-bit keys (nothing
+    except on GPUs other than Hopper (timed on an H100 only); none for fp8 and 3-bit keys (nothing
     to look up in it); 0 turns it off, anything else is refused, by the launcher too (its keyword)."""
     import triton
 
@@ -358,14 +352,18 @@ def test_key_table_setting(monkeypatch):
     assert gluon_decode.default_key_table(get("tqkv_4bit_pc", 256)) == (32 if growable else 0)
     assert gluon_decode.default_key_table(get("turboquant_k8v4", 128)) == 0
     assert gluon_decode.default_key_table(get("turboquant_k3v4_nc", 128)) == 0
-    # (STAGE 3's ring and the table would halve the programs an SM: off there unless asked for)
-    assert gluon_decode.default_key_table(get("turboquant_4bit_nc", 128), stage=3) == 0
-    assert gluon_decode.default_key_table(get("turboquant_4bit_nc", 128), stage=1,
+    assert gluon_decode.default_key_table(get("turboquant_4bit_nc", 128),
                                           device=torch.device("cpu")) == (32 if growable else 0)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))  # (an A100: untimed)
+    assert gluon_decode.default_key_table(get("turboquant_4bit_nc", 128), device=torch.device("cuda")) == 0
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    assert gluon_decode.default_key_table(get("turboquant_4bit_nc", 128),
+                                          device=torch.device("cuda")) == (32 if growable else 0)
     monkeypatch.setenv(gluon_decode.KEY_TABLE_ENV, "0")
     assert gluon_decode.default_key_table(get("turboquant_4bit_nc", 128)) == 0
     monkeypatch.setenv(gluon_decode.KEY_TABLE_ENV, "32")
-    assert gluon_decode.default_key_table(get("turboquant_4bit_nc", 128), stage=3) == 32  # (asked for)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    assert gluon_decode.default_key_table(get("turboquant_4bit_nc", 128), device=torch.device("cuda")) == 32  # (asked for)
     monkeypatch.setenv(gluon_decode.KEY_TABLE_ENV, "16")
     with pytest.raises(ValueError, match="TQKV_FRAGMENT_KEY_TABLE"):
         gluon_decode.default_key_table(get("turboquant_4bit_nc", 128))
@@ -448,142 +446,13 @@ def test_three_bit_lookup_gives_each_words_fp16_pairs():
         np.testing.assert_array_equal(hi, table[codes[b]])
 
 
-def _stage3_reads(storage: torch.Tensor, cache: torch.Tensor, preset, kv_head: int, rows: list[tuple[int, int]],
-                  live: list[bool]) -> dict[str, np.ndarray]:
-    """STAGE 3's reads emulated from its address arithmetic (_ring_base, _ring_columns, _field_columns,
-    _copy_tile, _ring_keys, _ring_values, _ring_fields, and the kernel's selectors): for each (block, position)
-    of ``rows`` the words its cp.async copies would move (4 bytes each, from the flat uint8 ``storage`` that
-    ``cache`` views; a row not ``live`` is masked off: zeros), and the key words, value words and fields read
-    back from them. Also checks that every copied word is 4-byte aligned and overlaps its slot's bytes (so it
-    is inside the allocation)."""
-    from test_asm_emulation import _prmt
-
-    d = preset.head_dim
-    w = d // 8
-    v = preset.key_bytes // 2  # VALUE_OFFSET // 2
-    s = (preset.key_bytes + preset.value_code_bytes) // 2
-    data = storage.numpy()
-    cache_ptr = cache.storage_offset()  # bytes (the allocation itself is aligned)
-    lead = (cache_ptr >> 1) & 1
-    wptr = cache_ptr - 2 * lead
-    assert wptr % 4 == 0
-    halves = kv_head * (cache.stride(2) // 2) + lead
-    w_base, odd = halves >> 1, halves & 1
-    w_blk, w_pos = (cache.stride(0) // 2) >> 1, (cache.stride(1) // 2) // 2
-    c = np.arange(d // 2)
-    h = 4 if d <= 128 else w  # pair m (x) at column 2 h (m // h) + m % h, the same one word later (y) h after
-    key = (c // (2 * h)) * h + c % h + (c // h) % 2
-    word = np.where(c < 2 * w, key, (v + odd + c - 2 * w) >> 1)
-    copied = (c >= 2 * w) | ((c // h) % 2 == 0) | (odd == 1)
-    x_cols = np.array([2 * h * (m // h) + m % h for m in range(w)])
-    fc = np.arange(4)
-    fword = np.where(fc == 0, preset.key_code_bytes // 4, (s - 1) // 2 + fc - 1)
-    fcopied = fc < 3
-
-    def copy(first: int, columns: np.ndarray, mask: np.ndarray, ok: bool) -> np.ndarray:
-        out = np.zeros(len(columns), dtype=np.uint32)
-        for i, (col, m) in enumerate(zip(columns, mask)):
-            if not (m and ok):
-                continue
-            at = wptr + 4 * (first + col)
-            assert at % 4 == 0 and at + 4 > slot and at < slot + preset.slot_bytes, (at, slot)
-            out[i] = int.from_bytes(data[at:at + 4].tobytes(), "little")
-        return out
-
-    got = {"keys": [], "values": [], "norm": [], "scale": [], "zero": []}
-    for (block, pos), ok in zip(rows, live):
-        slot = cache_ptr + block * cache.stride(0) + pos * cache.stride(1) + kv_head * cache.stride(2)
-        first = w_base + block * w_blk + pos * w_pos
-        row = copy(first, word, copied, ok)
-        fields = copy(first, fword, fcopied, ok)
-        x, y = row[x_cols], row[x_cols + h]
-        sel = np.full(w, 1, dtype=np.uint32)
-        first_half = _prmt(x, y, sel * (0x3232 if odd else 0x3210)) & 0xFFFF
-        second_half = _prmt(x, y, sel * (0x5454 if odd else 0x3232)) & 0xFFFF
-        got["keys"].append(np.stack([first_half, second_half], -1).reshape(-1))
-        vshift = ((v + odd + np.arange(2 * w)) & 1) * 16
-        got["values"].append((row[2 * w:] >> vshift.astype(np.uint32)) & 0xFFFF)
-        n, a, b = fields[:1], fields[1:2], fields[2:3]
-        got["norm"].append((n >> (16 * odd)) & 0xFFFF)
-        got["scale"].append(_prmt(a, b, np.array([0x5454 if odd else 0x3232], dtype=np.uint32)) & 0xFFFF)
-        got["zero"].append(_prmt(a, b, np.array([0x7676 if odd else 0x5454], dtype=np.uint32)) & 0xFFFF)
-    return {k: np.stack(val) for k, val in got.items()}
-
-
-def _stage1_reads(cache: torch.Tensor, preset, kv_head: int, rows: list[tuple[int, int]],
-                  live: list[bool]) -> dict[str, np.ndarray]:
-    """What STAGE 1 reads for the same rows: the slot's 16-bit words at half-words 0 .., VALUE_OFFSET / 2 .., and
-    the fields at KEY_CODE_BYTES / 2, (VALUE_OFFSET + VALUE_CODE_BYTES) / 2 and + 1 (0 where not live)."""
-    d = preset.head_dim
-    scale_at = (preset.key_bytes + preset.value_code_bytes) // 2
-    out = {"keys": [], "values": [], "norm": [], "scale": [], "zero": []}
-    for (block, pos), ok in zip(rows, live):
-        h = cache[block, pos, kv_head].contiguous().view(torch.int16).numpy().astype(np.uint16).astype(np.uint32)
-        out["keys"].append(h[:d // 4])
-        out["values"].append(h[preset.key_bytes // 2:preset.key_bytes // 2 + d // 4])
-        for name, at in (("norm", preset.key_code_bytes // 2), ("scale", scale_at), ("zero", scale_at + 1)):
-            out[name].append(h[at:at + 1] * ok)
-    return {k: np.stack(v) for k, v in out.items()}
-
-
-@pytest.mark.parametrize("name,dim", [("turboquant_4bit_nc", 128), ("tqkv_4bit_pc", 128), ("turboquant_4bit_nc", 256)])
-def test_stage3_copies_read_back_what_stage1_loads(name, dim, monkeypatch):
-    """STAGE 3 (cp.async ring; checked on an H100 2026-12-05, slower than STAGE 1) on random caches, emulated on
-    the CPU: kv heads 1-8, blocks of 16 and 32 positions, strided views (padded positions and blocks, storage offsets 2 mod 4,
-    padded heads: slots of either half-word parity), each kv head's positions, some past the end: the words it
-    copies are aligned and overlap the slot, and the key words, value words, norm, scale and zero it reads
-    back from them are STAGE 1's, bit for bit (fields 0 past the end). supports() takes these caches."""
-    p = tqkv_compile.get_preset(name, dim)
-    meta = type("Cuda", (), {"type": "cuda"})()
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    gen = torch.Generator().manual_seed(dim + len(name))
-    odd_seen = set()
-    for case in range(12):
-        heads = 1 + case % 8
-        block_size = (16, 32)[case % 2]
-        blocks = 3
-        head_stride = p.slot_bytes + 2 * int(torch.randint(0, 2, (1,), generator=gen))
-        pos_stride = heads * head_stride + int(torch.randint(0, 3, (1,), generator=gen)) * 2
-        pos_stride += -pos_stride % 4  # (multiples of 4 bytes: supports(stage=3))
-        block_stride = block_size * pos_stride + 4 * int(torch.randint(0, 3, (1,), generator=gen))
-        offset = 2 * int(torch.randint(0, 4, (1,), generator=gen))
-        storage = torch.randint(0, 256, (offset + blocks * block_stride + 8,), dtype=torch.uint8, generator=gen)
-        cache = storage.as_strided((blocks, block_size, heads, p.slot_bytes),
-                                   (block_stride, pos_stride, head_stride, 1), offset)
-        assert gluon_decode.supports(p, cache, 4, meta, stage=3) is None, (case, cache.stride(), offset)
-        rows = [(b, j) for b in range(blocks) for j in range(block_size)]
-        live = [i < len(rows) - 5 for i in range(len(rows))]  # the last 5 past the end
-        for kv_head in range(heads):
-            odd_seen.add((offset // 2 + kv_head * head_stride // 2) & 1)
-            got = _stage3_reads(storage, cache, p, kv_head, rows, live)
-            want = _stage1_reads(cache, p, kv_head, rows, live)
-            for key in want:
-                if key in ("keys", "values"):  # (past the end both read and drop words: compare the live rows)
-                    assert np.array_equal(got[key][live], want[key][np.array(live)]), (case, kv_head, key)
-                else:
-                    assert np.array_equal(got[key], want[key]), (case, kv_head, key)
-    assert odd_seen == {0, 1}
-
-
-def test_stage3_is_refused_where_it_cannot_read(monkeypatch):
-    """supports(stage=3): 4-bit keys and values only (fp8 keys, 3-bit fields refused with a reason), position
-    and block strides multiples of 4 bytes (a kv head's slots one half-word parity); STAGE 3 settings and the
-    launcher's validation."""
-    meta = type("Cuda", (), {"type": "cuda"})()
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+def test_stage3_is_gone():
+    """STAGE 3 (a ring of cp.async copies; checked on an H100, 0.89x STAGE 1 there) was deleted on 2026-12-05:
+    the setting and the launcher refuse it with the choices left."""
     p = tqkv_compile.get_preset("turboquant_4bit_nc", 128)
-    assert gluon_decode.supports(p, torch.zeros(4, 16, 2, p.slot_bytes, dtype=torch.uint8), 4, meta, stage=3) is None
-    one_head = torch.zeros(4, 16, 1, p.slot_bytes, dtype=torch.uint8)  # positions 134 bytes apart
-    assert "multiples of 4 bytes" in gluon_decode.supports(p, one_head, 4, meta, stage=3)
-    assert gluon_decode.supports(p, one_head, 4, meta, stage=1) is None
-    three = torch.zeros(4, 16, 3, p.slot_bytes, dtype=torch.uint8)  # 402 bytes a position
-    assert "multiples of 4 bytes" in gluon_decode.supports(p, three, 4, meta, stage=3)
-    for other in ("turboquant_k8v4", "turboquant_k3v4_nc", "turboquant_3bit_nc"):
-        q = tqkv_compile.get_preset(other, 128)
-        reason = gluon_decode.supports(q, torch.zeros(4, 16, 2, q.slot_bytes, dtype=torch.uint8), 4, meta, stage=3)
-        assert "4-bit keys and 4-bit values only" in reason, (other, reason)
-    monkeypatch.setenv(gluon_decode.STAGE_ENV, "3")
-    assert gluon_decode.default_stage(p) == 3
-    monkeypatch.setenv(gluon_decode.STAGE_ENV, "4")
-    with pytest.raises(ValueError, match="0, 1, 2 or 3"):
-        gluon_decode.default_stage(p)
+    with pytest.raises(ValueError, match="stage: expected 0, 1 or 2"):
+        gluon_decode.loop_settings(p, 2, 3)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(gluon_decode.STAGE_ENV, "3")
+        with pytest.raises(ValueError, match="0, 1 or 2"):
+            gluon_decode.default_stage(p)
