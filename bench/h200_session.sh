@@ -198,7 +198,8 @@ regs)
     # the fragment kernel's register cap: today's (168 at PREFETCH 2: 3 programs an SM) against 128 (4 an SM;
     # with the key table no spills in the loop: h200-kernels-notes.md, thirteenth session) and, for the split
     # count's cap, 3 splits; each twice in one command. 128 is kept for the later stages where it is 2% faster
-    # over the 4-bit presets' cases (TQKV_FRAGMENT_MAXNREG=128 in /root/tqkv-ab.env)
+    # over the 4-bit presets' cases and no slower over all (TQKV_FRAGMENT_MAXNREG=128 in /root/tqkv-ab.env;
+    # bench/pick_regs.py; head 128 only)
     : ${REGS_PRESETS:=turboquant_4bit_nc,tqkv_4bit_pc,turboquant_k3v4_nc} ${REGS_CASES:=64x32768,128x16384,64x4096,1x32768}
     unset TQKV_FRAGMENT_MAXNREG  # (the default variant is today's cap, whatever an earlier run chose)
     step "fragment kernel, register cap 168 / 128 and 3 splits: $REGS_PRESETS at $REGS_CASES"
@@ -206,7 +207,7 @@ regs)
         --cases $REGS_CASES --out "$OUT/h200-regs.json" \
         --variants '[{}, {"maxnreg": 128}, {"splits": 3}, {}, {"maxnreg": 128}, {"splits": 3}]' > "$OUT/regs.log" 2>&1
     python3 bench/pick_regs.py "$OUT/h200-regs.json" /root/tqkv-ab.env 2>&1 | tee -a "$OUT/steps.log" \
-        || tail -5 "$OUT/regs.log"
+        || { tail -5 "$OUT/regs.log"; sed -i '/^TQKV_FRAGMENT_MAXNREG=/d' /root/tqkv-ab.env 2>/dev/null; }
     ;;
 fragments)
     # the fragment kernel's loops, PREFETCH:STAGE[:KEY_TABLE] (PREFETCH 1: block ids a tile ahead, 2: and the

@@ -4,10 +4,13 @@
 
 The run times each preset and case with the launcher's default ({}), a cap of 128 registers ({"maxnreg": 128}:
 4 programs an SM where PREFETCH 2's default of 168 holds 3) and 3 splits, each twice. This prints every case's
-mean times and ratios, and over the presets with 4-bit keys (those the key table serves, the cap's reason) the
-geometric mean of 128's time over the default's. Where that is at most 0.98, ``TQKV_FRAGMENT_MAXNREG=128`` is
-written to the environment file (which h200_session.sh reads at every later stage on the machine), else the
-line is taken out of it; the file's other lines stay. A case that failed counts as infinitely slow."""
+mean times and ratios, and the geometric mean of 128's time over the default's, over the presets with 4-bit keys
+(those the key table serves, the cap's reason) and over all. Where the first is at most 0.98 and the second at
+most 1 (the cap applies to every launch at head 128: it must not cost the other presets more than it gains),
+``TQKV_FRAGMENT_MAXNREG=128`` is written to the environment file (which h200_session.sh reads at every later
+stage on the machine); otherwise, and on any error (no file, no default timings), the line is taken out of it.
+The file's other lines stay. A case where 128 failed counts as infinitely slow; one where the default failed
+is left out (nothing to compare with)."""
 import json
 import math
 import sys
@@ -36,7 +39,7 @@ def mean_times(records: list[dict]) -> dict[str, dict[tuple[str, int, int], floa
 
 def score(times: dict[str, dict], name: str, presets: tuple[str, ...]) -> float:
     """Geometric mean of ``name``'s time over the default's, over the default's cases of ``presets``."""
-    base = {k: v for k, v in times.get("default", {}).items() if k[0] in presets}
+    base = {k: v for k, v in times.get("default", {}).items() if k[0] in presets and math.isfinite(v)}
     if not base:
         return math.inf
     ratios = [times.get(name, {}).get(k, math.inf) / us for k, us in base.items()]
@@ -54,9 +57,14 @@ def main(argv: list[str]) -> int:
     if len(argv) != 2:
         print(__doc__.splitlines()[2].strip(), file=sys.stderr)
         return 2
-    times = mean_times(json.load(open(argv[0])))
+    try:
+        times = mean_times(json.load(open(argv[0])))
+    except (OSError, ValueError) as exc:
+        times = {}
+        print(f"{argv[0]}: {exc}", file=sys.stderr)
     if "default" not in times:
-        print(f"no default timings in {argv[0]}", file=sys.stderr)
+        print(f"no default timings in {argv[0]}: the default cap stays", file=sys.stderr)
+        write_choice(Path(argv[1]), keep=False)
         return 1
     others = sorted(n for n in times if n != "default")
     print(f"{'preset':20s} {'case':>10s} {'default':>9s} " + " ".join(f"{n:>16s}" for n in others))
@@ -65,7 +73,7 @@ def main(argv: list[str]) -> int:
         print(f"{key[0]:20s} {key[1]:>4d}x{key[2]:<5d} {us:9.1f} {cells}")
     cap = f"maxnreg={CAP}"
     four, rest = score(times, cap, FOUR_BIT_KEYS), score(times, cap, tuple({k[0] for k in times["default"]}))
-    keep = four <= LIMIT
+    keep = four <= LIMIT and rest <= 1.0
     print(f"{cap} / default, geometric mean: {four:.4f} over the 4-bit-key presets, {rest:.4f} over all: "
           + (f"{KEY}={CAP} kept for the later stages" if keep else "the default cap stays"))
     write_choice(Path(argv[1]), keep)

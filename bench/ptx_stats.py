@@ -189,6 +189,8 @@ def fragment_kernel(preset_name: str, dim: int, maxnreg: int | None, prefetch: i
         raise SystemExit("this tree's fragment kernel has no PREFETCH")
     if "STAGE" in g.fragment_kernel.arg_names:
         constexprs.update(STAGE=stage)
+    if stage == 3 and "RING_WORDS" not in g.fragment_kernel.arg_names:
+        raise SystemExit("this tree's fragment kernel has no STAGE 3 (deleted after 54f6150: --tree a worktree of it)")
     if "H_POS" in g.fragment_kernel.arg_names:  # (the launcher's: a position's stride in 2-byte units, 8 kv heads)
         constexprs.update(H_POS=8 * p.slot_bytes // 2 if stage else 0)
     if "KEY_BITS" in g.fragment_kernel.arg_names:

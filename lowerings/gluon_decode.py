@@ -256,15 +256,17 @@ def maxnreg(dim: int, prefetch: int = 0) -> int:
     255 at 256 (2). (Block ids a tile ahead, ``prefetch`` 1, at head 256 with STAGE 1 / 2: 8-16 bytes of spills
     under 168, triton 3.6.)
 
-    ``TQKV_FRAGMENT_MAXNREG`` (a number, 64 to 255) sets the cap for every launch instead, for the next A/B (so
-    that the engine runs can take it): with the key table, which frees the permute lookup's registers, PREFETCH 2
-    at head 128 compiles under 128 without loop spills (sm_90a, triton 3.6: 4bit_nc 516 SASS a tile and 4 bytes
-    spilled outside the loop, tqkv_4bit_pc 425 and none, the 3-bit presets none), so 4 programs an SM instead
-    of 3; untimed (``h200-kernels-notes.md``, thirteenth session)."""
+    ``TQKV_FRAGMENT_MAXNREG`` (a number, 64 to 255) sets the cap of every launch at head 128 instead, for the next
+    A/B (so that the engine runs can take it; head 256 keeps its caps, which 128 would spill under): with the key
+    table, which frees the permute lookup's registers, PREFETCH 2 at head 128 compiles under 128 without loop
+    spills (sm_90a, triton 3.6: 4bit_nc 516 SASS a tile and 4 bytes spilled outside the loop, tqkv_4bit_pc 425
+    and none, the 3-bit presets none), so 4 programs an SM instead of 3; untimed (``h200-kernels-notes.md``,
+    thirteenth session)."""
     if (forced := os.environ.get(MAXNREG_ENV)) is not None:
         if not (forced.isdigit() and 64 <= int(forced) <= 255):
             raise ValueError(f"{MAXNREG_ENV}={forced!r}: expected a number of registers from 64 to 255")
-        return int(forced)
+        if dim <= 128:
+            return int(forced)
     if prefetch == 2:
         return 168 if dim <= 128 else 255
     return 128 if dim <= 128 else 168
@@ -282,6 +284,8 @@ def supports(preset: Preset, kv_cache: torch.Tensor, group: int, device: torch.d
     if torch.cuda.get_device_capability(device) < (8, 0):
         return "mma.sync m16n8k16 needs compute capability 8.0 or later"
     stage = default_stage(preset) if stage is None else stage
+    if stage not in (0, 1, 2):
+        return f"STAGE {stage}: the fragment kernel's loops are STAGE 0, 1 and 2"
     if not (preset.key_fp8 or preset.key_bits in (3, 4)) or preset.value_bits not in (3, 4) or not preset.vllm_layout:
         return f"{preset.name}: the fragment kernel reads vLLM's layouts only (3- or 4-bit or fp8 keys, 3- or 4-bit values)"
     if _three_bit_fields(preset) and stage == 0:

@@ -193,7 +193,7 @@ def test_fragment_kernel_compiles_for_hopper_with_no_tile_through_shared_memory(
              ["turboquant_4bit_nc", 128, 0, 1], ["turboquant_4bit_nc", 256, 2, 2], ["turboquant_k8v4", 128, 2, 2],
              ["turboquant_k3v4_nc", 128, 0, 2], ["turboquant_3bit_nc", 128, 0, 1], ["turboquant_3bit_nc", 256, 2, 2],
              ["turboquant_4bit_nc", 128, 2, 1, 32], ["tqkv_4bit_pc", 128, 2, 1, 8], ["turboquant_4bit_nc", 256, 0, 1, 32]]
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", gluon_decode.MAXNREG_ENV)}
     done = subprocess.run([sys.executable, "-c", _COMPILE, json.dumps(cases)], capture_output=True, text=True,
                           env=env, timeout=600)
     line = next((ln for ln in done.stdout.splitlines() if ln.startswith("RESULTS ")), None)
@@ -291,6 +291,7 @@ def test_prefetch_and_stage_settings_and_the_register_cap(monkeypatch):
     triton 3.6: bench/ptx_stats.py --kernel fragments --fragment-prefetch 2); anything else is refused, by the
     launcher too."""
     monkeypatch.delenv(gluon_decode.PREFETCH_ENV, raising=False)
+    monkeypatch.delenv(gluon_decode.MAXNREG_ENV, raising=False)
     get = tqkv_compile.get_preset
     assert gluon_decode.default_prefetch() == 2 and gluon_decode.default_prefetch(get("turboquant_4bit_nc", 128)) == 2
     assert gluon_decode.default_prefetch(get("turboquant_k8v4", 128)) == 1  # (PREFETCH 2 lost for fp8 keys)
@@ -307,9 +308,10 @@ def test_prefetch_and_stage_settings_and_the_register_cap(monkeypatch):
     assert [gluon_decode.maxnreg(d, 0) for d in (128, 256)] == [128, 168]
     assert [gluon_decode.maxnreg(d, 2) for d in (128, 256)] == [168, 255]
     assert triton_attention.programs_per_sm(gluon_decode.maxnreg(128, 2), gluon_decode.NUM_WARPS) == 3
-    # TQKV_FRAGMENT_MAXNREG: one cap for every launch (the A/B of 128 at PREFETCH 2), and the occupancy with it
+    # TQKV_FRAGMENT_MAXNREG: one cap for every launch at head 128 (the A/B of 128 at PREFETCH 2), and the
+    # occupancy with it; head 256 keeps its caps (128 spills there)
     monkeypatch.setenv(gluon_decode.MAXNREG_ENV, "128")
-    assert [gluon_decode.maxnreg(d, f) for d in (128, 256) for f in (0, 2)] == [128] * 4
+    assert [gluon_decode.maxnreg(d, f) for d in (128, 256) for f in (0, 2)] == [128, 128, 168, 255]
     assert triton_attention.programs_per_sm(gluon_decode.maxnreg(128, 2), gluon_decode.NUM_WARPS) == 4
     for bad in ("32", "256", "many", ""):
         monkeypatch.setenv(gluon_decode.MAXNREG_ENV, bad)
@@ -446,13 +448,17 @@ def test_three_bit_lookup_gives_each_words_fp16_pairs():
         np.testing.assert_array_equal(hi, table[codes[b]])
 
 
-def test_stage3_is_gone():
+def test_stage3_is_gone(monkeypatch):
     """STAGE 3 (a ring of cp.async copies; checked on an H100, 0.89x STAGE 1 there) was deleted on 2026-12-05:
-    the setting and the launcher refuse it with the choices left."""
+    the setting, supports() and the launcher refuse it with the choices left."""
     p = tqkv_compile.get_preset("turboquant_4bit_nc", 128)
     with pytest.raises(ValueError, match="stage: expected 0, 1 or 2"):
         gluon_decode.loop_settings(p, 2, 3)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv(gluon_decode.STAGE_ENV, "3")
-        with pytest.raises(ValueError, match="0, 1 or 2"):
-            gluon_decode.default_stage(p)
+    meta = type("Cuda", (), {"type": "cuda"})()
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    cache = torch.zeros(4, 16, 2, p.slot_bytes, dtype=torch.uint8)
+    assert gluon_decode.supports(p, cache, 4, meta, stage=1) is None
+    assert "STAGE 0, 1 and 2" in gluon_decode.supports(p, cache, 4, meta, stage=3)
+    monkeypatch.setenv(gluon_decode.STAGE_ENV, "3")
+    with pytest.raises(ValueError, match="0, 1 or 2"):
+        gluon_decode.default_stage(p)

@@ -44,3 +44,22 @@ def test_a_cap_within_two_percent_or_failing_is_not_kept(tmp_path):
     times["maxnreg=128"] = dict(zip(CASES[:2], (900.0, None)))  # a failed case: infinitely slow
     out, env = _run(tmp_path, times)
     assert env == "" and "inf" in out
+    # the default failed where 128 ran: that case is left out, the rest decides (and nothing crashes)
+    times = {"default": dict(zip(CASES[:2], (None, 1190.0))), "maxnreg=128": dict(zip(CASES[:2], (900.0, 1100.0)))}
+    out, env = _run(tmp_path, times)
+    assert env.splitlines() == ["TQKV_FRAGMENT_MAXNREG=128"], out
+
+
+def test_a_cap_that_costs_the_other_presets_more_than_it_gains_is_not_kept(tmp_path):
+    times = {"default": dict(zip(CASES, (1200.0, 1190.0, 1290.0))),
+             "maxnreg=128": dict(zip(CASES, (1160.0, 1150.0, 1500.0)))}  # 4-bit keys 0.97x, k3v4_nc 1.16x
+    out, env = _run(tmp_path, times, "TQKV_FRAGMENT_MAXNREG=128\n")
+    assert env == "" and "the default cap stays" in out
+
+
+def test_no_result_takes_an_earlier_choice_out(tmp_path):
+    env = tmp_path / "ab.env"
+    env.write_text("OTHER=1\nTQKV_FRAGMENT_MAXNREG=128\n")
+    done = subprocess.run([sys.executable, str(SCRIPT), str(tmp_path / "missing.json"), str(env)],
+                          capture_output=True, text=True)
+    assert done.returncode == 1 and env.read_text() == "OTHER=1\n"
