@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -31,25 +32,47 @@ def test_configs_and_cases_are_parsed_or_refused_by_name():
             bench_e2e.parse_cases(short)
 
 
-def test_a_configuration_that_times_out_keeps_its_finished_cases(tmp_path, monkeypatch):
-    """A child killed at --timeout: the cases it printed are kept, the rest recorded as errors, and the
+def test_a_configuration_that_times_out_keeps_its_finished_cases(tmp_path, monkeypatch, capsys):
+    """A child killed at --timeout: the cases it printed are kept, the rest recorded as errors with the last
+    stage the child reached and its log's end without progress bars, its stages logged while it runs, and the
     benchmark goes on (a script stands in for the engine: this tests the parent's bookkeeping)."""
     import argparse
 
     child = tmp_path / "child.py"
     done = {"config": "bf16", "B": 1, "P": 8, "N": 3, "decode_tok_s": 5.0}
-    child.write_text(f"import json, time\nprint('TQKV_E2E ' + json.dumps({done!r}), flush=True)\ntime.sleep(60)\n")
+    child.write_text(
+        "import json, sys, time\n"
+        "print('TQKV_E2E_STAGE engine started in 1 s, KV capacity 64 tokens', flush=True)\n"
+        f"print('TQKV_E2E ' + json.dumps({done!r}), flush=True)\n"
+        "print('TQKV_E2E_STAGE 2x8x3: warm-up', flush=True)\n"
+        "sys.stderr.write('INFO compiling the graph\\nCapturing: 50%|#  | 1/2\\rCapturing: 100%|##| 2/2\\n')\n"
+        "sys.stderr.flush()\n"
+        "time.sleep(60)\n")
     args = argparse.Namespace(cases="1x8x3,2x8x3", dtype="bfloat16", gpu_memory_utilization=None,
-                              max_num_batched_tokens=None, enforce_eager=False, check_values=False, timeout=3,
+                              max_num_batched_tokens=None, enforce_eager=False, check_values=False, timeout=5,
                               profile="prof", repeats=2)
-    real_run, commands = subprocess.run, []
-    monkeypatch.setattr(subprocess, "run",
-                        lambda cmd, **kw: commands.append(cmd) or real_run([sys.executable, str(child)], **kw))
+    real_popen, commands = subprocess.Popen, []
+    monkeypatch.setattr(subprocess, "Popen",
+                        lambda cmd, **kw: commands.append(cmd) or real_popen([sys.executable, str(child)], **kw))
+    started = time.perf_counter()
     records = bench_e2e._run_config("bf16", args, "m")
+    assert time.perf_counter() - started < 30  # killed at the time-out, not after the child's 60 s
     assert records[0] == done
-    assert records[1]["B"] == 2 and "timed out after 3 s" in records[1]["error"]
+    error = records[1]["error"]
+    assert records[1]["B"] == 2 and error.startswith("timed out after 5 s, last stage: 2x8x3: warm-up")
+    assert error.endswith("INFO compiling the graph") and "%|" not in error  # the log's end, bars left out
+    logged = capsys.readouterr().err
+    assert "bf16: engine started in 1 s, KV capacity 64 tokens" in logged and "bf16: 2x8x3: warm-up" in logged
+    # the summary: the status and the log's last line
+    assert "timed out after 5 s, last stage: 2x8x3: warm-up | INFO compiling the graph" in bench_e2e.summary(records[1:])
     assert commands[0][commands[0].index("--profile") + 1] == "prof"  # the worker gets --profile
     assert commands[0][commands[0].index("--repeats") + 1] == "2"  # and --repeats
+
+
+def test_log_tail_shows_lines_as_a_terminal_would_without_progress_bars():
+    log = "start\nloading 10%|#   | 1/10\rloading 100%|####| 10/10\n\nwarn: slow\r\nTraceback...\nValueError: x\n"
+    assert bench_e2e.log_tail(log) == "start\nwarn: slow\nTraceback...\nValueError: x"
+    assert bench_e2e.log_tail("a" * 50 + "\nb", chars=5) == "aaa\nb"  # the last characters
 
 
 @pytest.mark.vllm
@@ -65,6 +88,8 @@ def test_bench_runs_each_configuration_in_its_engine_and_writes_records(tmp_path
         capture_output=True, text=True, env=env, timeout=1200)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "(2/2) tqkv:turboquant_4bit_nc: 1/1 cases" in proc.stderr  # progress on stderr
+    for stage in ("engine started in", "2x144x8: prefill", "2x144x8: timed pair 3/3"):  # also while it runs
+        assert f"tqkv:turboquant_4bit_nc: {stage}" in proc.stderr
     records = json.loads(out.read_text())
     assert "meta" in records[0] and records[0]["meta"]["command"].startswith("tqkv bench e2e")
     rows = {r["config"]: r for r in records[1:]}

@@ -32,7 +32,9 @@ same rows: name, count, total and self device and CPU times in us), config with 
 
 Each configuration's engine runs in a child process (``--worker``): vLLM keeps per-process state, and a crash
 or out-of-memory in one configuration is recorded as that configuration's error, not the benchmark's end.
-Progress goes to stderr; records (and a ``{"meta": ...}`` record) to ``--out`` as a JSON list. The tqkv ops'
+Progress goes to stderr, while each configuration runs too (the child's stages: engine started, each case's
+warm-up, prefill and timed pairs); a configuration that fails or passes ``--timeout`` is recorded with the last
+stage it reached and the end of its log, progress bars left out; records (and a ``{"meta": ...}`` record) to ``--out`` as a JSON list. The tqkv ops'
 value checks (host syncs) are off while timing unless ``--check-values``. With dummy weights vLLM's own
 TurboQuant path runs with overwritten centroids (its dummy loader fills every buffer): fine for speed, not for
 comparing outputs; agreement is checked with a real model (SmolLM2), not here.
@@ -67,6 +69,22 @@ LLAMA3_8B_SHAPE = {
 
 def _log(msg: str) -> None:
     print(f"[tqkv bench e2e] {msg}", file=sys.stderr, flush=True)
+
+
+STAGE = "TQKV_E2E_STAGE "  # the child's progress lines on stdout (the parent logs them as they come)
+_BAR = re.compile(r"\d+%\|")  # a tqdm progress bar (vLLM's CUDA graph capture, compilation, loading)
+
+
+def _stage(msg: str) -> None:
+    print(STAGE + msg, flush=True)
+
+
+def log_tail(text: str, chars: int = 400) -> str:
+    """The end of a child's log for an error record: each line as a terminal shows it (the text after its last
+    carriage return), progress-bar lines and blank lines left out, the last ``chars`` characters."""
+    lines = [line.rstrip("\r").rsplit("\r", 1)[-1].rstrip() for line in text.split("\n")]
+    kept = [line for line in lines if line.strip() and not _BAR.search(line)]
+    return "\n".join(kept)[-chars:]
 
 
 def parse_config(config: str) -> dict:
@@ -144,6 +162,7 @@ def worker(args: argparse.Namespace) -> int:
     start_s = time.perf_counter() - started
     cache = llm.llm_engine.vllm_config.cache_config
     capacity = int(cache.num_gpu_blocks or 0) * int(cache.block_size)
+    _stage(f"engine started in {start_s:.0f} s, KV capacity {capacity} tokens")
     vocab = json.loads(Path(args.model, "config.json").read_text())["vocab_size"]
     import random
 
@@ -156,6 +175,8 @@ def worker(args: argparse.Namespace) -> int:
         return time.perf_counter() - t0, outputs
 
     for B, P, N in cases:
+        case = f"{B}x{P}x{N}"
+        _stage(f"{case}: warm-up (the first decode steps load or compile their kernels)")
         rng = random.Random(B * 1_000_003 + P)
         prompts = [{"prompt_token_ids": [rng.randrange(3, vocab) for _ in range(P)]} for _ in range(B)]
         # warm-up, decode steps included: what the first decode step compiles or loads (our kernels' decode
@@ -167,12 +188,15 @@ def worker(args: argparse.Namespace) -> int:
         llm.generate(prompts, tokens(3), use_tqdm=False)
         # fresh prompts: the prefill is timed whole, and leaves them in the prefix cache for the decode runs
         prompts = [{"prompt_token_ids": [rng.randrange(3, vocab) for _ in range(P)]} for _ in range(B)]
+        _stage(f"{case}: prefill")
         prefill_s, _ = timed(prompts, 1)
+        _stage(f"{case}: prefill {prefill_s:.2f} s")
         pairs = []
-        for _ in range(args.repeats):  # short and long alternate: a drift of the machine hits both alike
+        for i in range(args.repeats):  # short and long alternate: a drift of the machine hits both alike
             short_s, _ = timed(prompts, 2)
             long_s, outputs = timed(prompts, N)
             pairs.append((short_s, long_s))
+            _stage(f"{case}: timed pair {i + 1}/{args.repeats}: {1000 * (long_s - short_s) / (N - 2):.3f} ms a step")
         try:
             rate = decode_rate(pairs, B, N)
         except ValueError as exc:  # nothing to divide by: this case's error, not a meaningless rate
@@ -262,28 +286,59 @@ def _run_config(config: str, args: argparse.Namespace, model: str) -> list[dict]
     if not args.check_values:  # the ops' value checks sync with the host per layer and step: off for timing
         env["TQKV_CHECK_VALUES"] = "0"
     started = time.perf_counter()
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.timeout)
-        stdout, stderr, status = proc.stdout, proc.stderr, f"exit {proc.returncode}"
-        failed = proc.returncode != 0
-    except subprocess.TimeoutExpired as exc:  # keep the cases it finished
-        stdout, stderr = (_text(exc.stdout), _text(exc.stderr))
-        status, failed = f"timed out after {args.timeout} s", True
+    stages: list[str] = []
+
+    def on_stdout(line: str) -> None:  # the child's progress, logged as it comes
+        if line.startswith(STAGE):
+            stages.append(line[len(STAGE):].rstrip())
+            _log(f"{config}: {stages[-1]} ({time.perf_counter() - started:.0f} s)")
+
+    stdout, stderr, code = _run_child(cmd, env, args.timeout, on_stdout)
+    status = f"timed out after {args.timeout} s" if code is None else f"exit {code}"
     records = [json.loads(line.split(" ", 1)[1]) for line in stdout.splitlines() if line.startswith("TQKV_E2E ")]
-    if failed or not records:
-        tail = (stderr or stdout)[-1500:]
+    if code != 0 or not records:
+        status += f", last stage: {stages[-1] if stages else 'starting the engine'}"
+        tail = log_tail(stderr or stdout, 1500)
         _log(f"{config}: FAILED ({status}) after {time.perf_counter() - started:.0f} s:\n{tail}")
         done = {(r["B"], r["P"], r["N"]) for r in records}
-        return records + [dict(config=config, B=B, P=P, N=N, error=f"{status}: {tail[-400:]}")
+        return records + [dict(config=config, B=B, P=P, N=N, error=f"{status}\n{tail[-400:]}")
                           for B, P, N in parse_cases(args.cases) if (B, P, N) not in done]
     return records
 
 
-def _text(data) -> str:
-    """A TimeoutExpired's captured output: bytes on POSIX even with text=True."""
-    if data is None:
-        return ""
-    return data.decode(errors="replace") if isinstance(data, bytes) else data
+def _run_child(cmd: list[str], env: dict, timeout: float, on_stdout) -> tuple[str, str, int | None]:
+    """Run ``cmd``; ``on_stdout`` sees each stdout line as it comes. Returns (stdout, stderr, exit code), the
+    code None where the child passed ``timeout`` seconds and was killed with its process group (what it
+    printed until then is kept)."""
+    import threading
+
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            errors="replace", start_new_session=True)
+    out: list[str] = []
+    err: list[str] = []
+
+    def pump(stream, sink, each=None):
+        for line in stream:
+            sink.append(line)
+            if each is not None:
+                each(line)
+
+    readers = [threading.Thread(target=pump, args=(proc.stdout, out, on_stdout), daemon=True),
+               threading.Thread(target=pump, args=(proc.stderr, err), daemon=True)]
+    for reader in readers:
+        reader.start()
+    try:
+        code = proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        code = None
+        try:
+            os.killpg(proc.pid, 9)
+        except ProcessLookupError:
+            pass
+        proc.wait()
+    for reader in readers:
+        reader.join(timeout=10)
+    return "".join(out), "".join(err), code
 
 
 def _meta(argv: list[str], model: str) -> dict:
@@ -317,13 +372,20 @@ def summary(records: list[dict]) -> str:
     for r in rows:
         case = f"{r['B']}x{r['P']}x{r['N']}"
         if "error" in r:
-            lines.append(f"{r['config']:36s} {case:>16s}  error: {r['error'].splitlines()[-1][:60] if r['error'] else ''}")
+            lines.append(f"{r['config']:36s} {case:>16s}  error: {_error_line(r['error'])}")
         else:
             step = r.get("decode_step_ms")  # absent in records of the old measurement (before e11679c)
             lines.append(f"{r['config']:36s} {case:>16s} {r['decode_tok_s']:13.1f} "
                          f"{'-' if step is None else f'{step:.3f}':>9s} {r['prefill_s']:10.3f} "
                          f"{r['start_s']:8.1f} {r['kv_capacity_tokens']:11d}")
     return "\n".join(lines)
+
+
+def _error_line(error: str) -> str:
+    """An error record in one line: its first line (a failed child's status: exit code or time-out, and the last
+    stage) and, where there are more, its last (the log's end)."""
+    lines = error.splitlines() or [""]
+    return (lines[0] if len(lines) == 1 else f"{lines[0]} | {lines[-1]}")[:160]
 
 
 def plot(records: list[dict], path: str) -> None:
