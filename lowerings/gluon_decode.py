@@ -165,6 +165,7 @@ def default_stage(preset: Preset | None = None) -> int:
 
 
 KEY_TABLE_ENV = "TQKV_FRAGMENT_KEY_TABLE"
+KEY_TABLE_COPIES = (0, 32, 8)  # the choices: none (byte permutes), 32 copies (the default on Hopper), 8
 
 
 def default_key_table(preset: Preset | None = None, device: torch.device | None = None) -> int:
@@ -183,7 +184,7 @@ def default_key_table(preset: Preset | None = None, device: torch.device | None 
         return 0
     fallback = _growable_launches() and (
         device is None or device.type != "cuda" or torch.cuda.get_device_capability(device)[0] == 9)
-    return int(_setting(KEY_TABLE_ENV, "32" if fallback else "0", ("0", "32", "8")))
+    return int(_setting(KEY_TABLE_ENV, "32" if fallback else "0", tuple(map(str, KEY_TABLE_COPIES))))
 
 
 def has_key_table(preset: Preset) -> bool:
@@ -978,8 +979,9 @@ def launch(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, s
     32; default :func:`default_key_table`)."""
     prefetch, stage = loop_settings(preset, prefetch, stage)
     copies = default_key_table(preset, q.device) if key_table is None else int(key_table)
-    if copies not in (0, 8, 32):  # (8: bank conflicts, slower than 0; for the A/B)
-        raise ValueError(f"key_table: expected 0, 32 or 8, got {key_table!r}")
+    if copies not in KEY_TABLE_COPIES:  # (8: bank conflicts, slower than 0; for the A/B)
+        raise ValueError(f"key_table: expected {', '.join(map(str, KEY_TABLE_COPIES[:-1]))} or "
+                         f"{KEY_TABLE_COPIES[-1]}, got {key_table!r}")
     if not has_key_table(preset):
         copies = 0
     rows, kv_heads = q.shape[0], kv_cache.shape[2]
