@@ -65,8 +65,61 @@ def test_a_configuration_that_times_out_keeps_its_finished_cases(tmp_path, monke
     assert "bf16: engine started in 1 s, KV capacity 64 tokens" in logged and "bf16: 2x8x3: warm-up" in logged
     # the summary: the status and the log's last line
     assert "timed out after 5 s, last stage: 2x8x3: warm-up | INFO compiling the graph" in bench_e2e.summary(records[1:])
+    long = "timed out after 1800 s, last stage: " + "x" * 200 + "\nTraceback\ntorch.OutOfMemoryError: CUDA out of memory"
+    assert bench_e2e._error_line(long).endswith("| torch.OutOfMemoryError: CUDA out of memory")  # the error stays
     assert commands[0][commands[0].index("--profile") + 1] == "prof"  # the worker gets --profile
     assert commands[0][commands[0].index("--repeats") + 1] == "2"  # and --repeats
+
+
+def test_a_child_is_ended_with_what_it_left_running_and_its_output_kept(tmp_path):
+    """The child exits but a worker it started still holds its pipes: no waiting for the worker, which goes with
+    the child's process group, and the last line (no newline) and carriage returns are kept as printed."""
+    child = tmp_path / "child.py"
+    pid_file = tmp_path / "worker.pid"
+    child.write_text(
+        "import subprocess, sys\n"
+        "w = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+        f"open({str(pid_file)!r}, 'w').write(str(w.pid))\n"
+        "print('TQKV_E2E_STAGE started', flush=True)\n"
+        "sys.stderr.write('Loading 5%|#\\rLoaded all\\nlast words'); sys.stderr.flush()\n")
+    seen = []
+    started = time.perf_counter()
+    stdout, stderr, code = bench_e2e._run_child([sys.executable, str(child)], dict(os.environ), 60, seen.append)
+    assert time.perf_counter() - started < 8 and code == 0
+    assert seen == ["TQKV_E2E_STAGE started\n"] and stdout == "TQKV_E2E_STAGE started\n"
+    assert stderr.endswith("last words") and bench_e2e.log_tail(stderr) == "Loaded all\nlast words"
+    worker = int(pid_file.read_text())
+    for _ in range(50):  # killed with the group (a zombie until init reaps it: gone from /proc or state Z)
+        stat = f"/proc/{worker}/stat"
+        if not os.path.exists(stat) or open(stat).read().split(") ")[1].startswith("Z"):
+            break
+        time.sleep(0.1)
+    else:
+        raise AssertionError("the child's worker outlived it")
+
+
+def test_an_interrupted_benchmark_takes_its_child_down(tmp_path, monkeypatch):
+    child = tmp_path / "child.py"
+    child.write_text("import os, time\nprint(os.getpid(), flush=True)\ntime.sleep(60)\n")
+    real_wait = subprocess.Popen.wait
+
+    def interrupted(self, timeout=None):
+        if timeout is not None:  # the parent's wait for the child: Ctrl-C arrives
+            time.sleep(1)
+            raise KeyboardInterrupt
+        return real_wait(self)
+
+    monkeypatch.setattr(subprocess.Popen, "wait", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        bench_e2e._run_child([sys.executable, str(child)], dict(os.environ), 60, lambda line: None)
+    monkeypatch.undo()
+    # the child was killed and reaped before the interrupt went on (its pid may not exist any more)
+    # (the child's pid came on stdout; the readers are gone with the exception, so look for no python sleeping)
+    import glob
+
+    alive = [p for p in glob.glob("/proc/[0-9]*/cmdline")
+             if str(child) in open(p, errors="replace").read().replace("\0", " ")]
+    assert alive == []
 
 
 def test_log_tail_shows_lines_as_a_terminal_would_without_progress_bars():

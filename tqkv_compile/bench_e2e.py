@@ -176,7 +176,7 @@ def worker(args: argparse.Namespace) -> int:
 
     for B, P, N in cases:
         case = f"{B}x{P}x{N}"
-        _stage(f"{case}: warm-up (the first decode steps load or compile their kernels)")
+        _stage(f"{case}: warm-up")  # (the first decode steps load or compile their kernels)
         rng = random.Random(B * 1_000_003 + P)
         prompts = [{"prompt_token_ids": [rng.randrange(3, vocab) for _ in range(P)]} for _ in range(B)]
         # warm-up, decode steps included: what the first decode step compiles or loads (our kernels' decode
@@ -294,7 +294,12 @@ def _run_config(config: str, args: argparse.Namespace, model: str) -> list[dict]
             _log(f"{config}: {stages[-1]} ({time.perf_counter() - started:.0f} s)")
 
     stdout, stderr, code = _run_child(cmd, env, args.timeout, on_stdout)
-    status = f"timed out after {args.timeout} s" if code is None else f"exit {code}"
+    if code is None:
+        status = f"timed out after {args.timeout} s"
+    elif code < 0:
+        status = f"killed by signal {-code}" + (" (SIGKILL: out of host memory?)" if code == -9 else "")
+    else:
+        status = f"exit {code}"
     records = [json.loads(line.split(" ", 1)[1]) for line in stdout.splitlines() if line.startswith("TQKV_E2E ")]
     if code != 0 or not records:
         status += f", last stage: {stages[-1] if stages else 'starting the engine'}"
@@ -307,37 +312,51 @@ def _run_config(config: str, args: argparse.Namespace, model: str) -> list[dict]
 
 
 def _run_child(cmd: list[str], env: dict, timeout: float, on_stdout) -> tuple[str, str, int | None]:
-    """Run ``cmd``; ``on_stdout`` sees each stdout line as it comes. Returns (stdout, stderr, exit code), the
-    code None where the child passed ``timeout`` seconds and was killed with its process group (what it
-    printed until then is kept)."""
+    """Run ``cmd`` in its own process group; ``on_stdout`` sees each stdout line as it comes. Returns (stdout,
+    stderr, exit code), the code None where the child passed ``timeout`` seconds. The group is killed when the
+    child ends, however it ends (what it left running, say a compile worker holding the pipes or GPU memory,
+    goes with it; so does the child itself when this process is interrupted), and what it printed until then is
+    kept, carriage returns included (``log_tail`` reads them as a terminal would)."""
+    import io
     import threading
 
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                            errors="replace", start_new_session=True)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, start_new_session=True)
     out: list[str] = []
     err: list[str] = []
 
-    def pump(stream, sink, each=None):
-        for line in stream:
+    def pump(pipe, sink, each=None):
+        for line in io.TextIOWrapper(pipe, encoding="utf-8", errors="replace", newline=""):  # "\r" kept
             sink.append(line)
             if each is not None:
-                each(line)
+                try:
+                    each(line)
+                except Exception:  # noqa: BLE001  (progress only: the pipe must keep draining)
+                    pass
 
     readers = [threading.Thread(target=pump, args=(proc.stdout, out, on_stdout), daemon=True),
                threading.Thread(target=pump, args=(proc.stderr, err), daemon=True)]
     for reader in readers:
         reader.start()
+
+    def kill_group() -> None:
+        try:
+            os.killpg(proc.pid, 9)
+        except (ProcessLookupError, PermissionError):
+            pass
+
     try:
         code = proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
         code = None
-        try:
-            os.killpg(proc.pid, 9)
-        except ProcessLookupError:
-            pass
+    except BaseException:  # interrupted (Ctrl-C, a signal made an exception): the engine must not outlive us
+        kill_group()
         proc.wait()
+        raise
+    kill_group()
+    proc.wait()
+    deadline = time.monotonic() + 10
     for reader in readers:
-        reader.join(timeout=10)
+        reader.join(timeout=max(0.0, deadline - time.monotonic()))
     return "".join(out), "".join(err), code
 
 
@@ -383,9 +402,9 @@ def summary(records: list[dict]) -> str:
 
 def _error_line(error: str) -> str:
     """An error record in one line: its first line (a failed child's status: exit code or time-out, and the last
-    stage) and, where there are more, its last (the log's end)."""
+    stage) and, where there are more, its last (the log's end), each cut to fit."""
     lines = error.splitlines() or [""]
-    return (lines[0] if len(lines) == 1 else f"{lines[0]} | {lines[-1]}")[:160]
+    return lines[0][:160] if len(lines) == 1 else f"{lines[0][:90]} | {lines[-1][:110]}"
 
 
 def plot(records: list[dict], path: str) -> None:
