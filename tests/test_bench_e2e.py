@@ -145,6 +145,7 @@ def test_bench_runs_each_configuration_in_its_engine_and_writes_records(tmp_path
         assert f"tqkv:turboquant_4bit_nc: {stage}" in proc.stderr
     records = json.loads(out.read_text())
     assert "meta" in records[0] and records[0]["meta"]["command"].startswith("tqkv bench e2e")
+    assert "skipped" in records[0]["meta"]["fa2_warm"]  # TurboQuant configurations: asked, nothing to do here
     rows = {r["config"]: r for r in records[1:]}
     assert sorted(rows) == ["tqkv:turboquant_4bit_nc", "vllm_tq:turboquant_4bit_nc"]
     for r in rows.values():

@@ -49,6 +49,7 @@ def test_fa2_warning_names_the_missing_architecture_only_when_it_is_missing(capa
 def test_fa2_warning_advises_the_jit_cache_size_only_when_it_is_not_set():
     archs = {"sass": [80], "ptx": [80]}
     assert "CUDA_CACHE_MAXSIZE=4294967296" in fa2_jit_warning(archs, (9, 0), cache_maxsize=None)
+    assert "`tqkv warm-fa2` compiles them ahead" in fa2_jit_warning(archs, (9, 0), cache_maxsize=None)
     assert "CUDA_CACHE_MAXSIZE" not in fa2_jit_warning(archs, (9, 0), cache_maxsize="4294967296")
 
 

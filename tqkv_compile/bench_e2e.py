@@ -34,7 +34,10 @@ Each configuration's engine runs in a child process (``--worker``): vLLM keeps p
 or out-of-memory in one configuration is recorded as that configuration's error, not the benchmark's end.
 Progress goes to stderr, while each configuration runs too (the child's stages: engine started, each case's
 warm-up, prefill and timed pairs); a configuration that fails or passes ``--timeout`` is recorded with the last
-stage it reached and the end of its log, progress bars left out; records (and a ``{"meta": ...}`` record) to ``--out`` as a JSON list. The tqkv ops'
+stage it reached and the end of its log, progress bars left out; records (and a ``{"meta": ...}`` record) to
+``--out`` as a JSON list. Before the first configuration with a TurboQuant cache, on a GPU vLLM's
+FlashAttention-2 has no native code for (Hopper), its modules are compiled ahead, several at once
+(``tqkv warm-fa2``; the result in the meta record as ``fa2_warm``; ``--no-warm-fa2`` skips it). The tqkv ops'
 value checks (host syncs) are off while timing unless ``--check-values``. With dummy weights vLLM's own
 TurboQuant path runs with overwritten centroids (its dummy loader fills every buffer): fine for speed, not for
 comparing outputs; agreement is checked with a real model (SmolLM2), not here.
@@ -268,6 +271,25 @@ def _profile(llm, prompts: list, params, folder: Path, stem: str, rows: int = 40
 # -- the parent -------------------------------------------------------------------------------------------
 
 
+def _warm_fa2(model: str, timeout: float) -> dict:
+    """``tqkv warm-fa2`` for the model's head size, before the first engine with a TurboQuant cache: where this
+    GPU has no native code in vLLM's FA2 (its boundary layers' kernels), that engine would otherwise compile
+    them one by one in its first steps (minutes; on an H100 the first such engine of a bare machine passed a
+    330 s limit). Never in the way of the benchmark: any error is recorded and the configurations run."""
+    from tqkv_compile.vllm import fa2_warm
+
+    try:
+        config = json.loads(Path(model, "config.json").read_text())
+        head = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+        result = fa2_warm.warm([int(head)], jobs=min(8, os.cpu_count() or 1), timeout=timeout,
+                               log=lambda msg: _log(f"warm-fa2: {msg}"))
+    except Exception as exc:  # noqa: BLE001
+        result = dict(error=f"{type(exc).__name__}: {exc}")
+    if "skipped" not in result:
+        _log(f"warm-fa2: {json.dumps(result)}")
+    return result
+
+
 def _run_config(config: str, args: argparse.Namespace, model: str) -> list[dict]:
     cmd = [sys.executable, "-m", "tqkv_compile.bench_e2e", "--worker", config, "--model", model,
            "--cases", args.cases, "--dtype", args.dtype, "--repeats", str(args.repeats)]
@@ -466,6 +488,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile", metavar="DIR",
                         help="after each case's timed runs, profile one more decode run (min(N, 16) tokens) with "
                              "torch.profiler: DIR/<config>-<case>.txt (top 40 ops) and .json")
+    parser.add_argument("--no-warm-fa2", action="store_true",
+                        help="do not compile vLLM's FlashAttention-2 ahead (``tqkv warm-fa2``) before the first "
+                             "TurboQuant configuration on a GPU it has no native code for")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     try:
@@ -481,6 +506,8 @@ def main(argv: list[str] | None = None) -> int:
         return worker(args)
     model = args.model or default_model(Path(tempfile.gettempdir()) / "tqkv-llama3-8b-shape")
     records: list[dict] = [_meta(argv, model)]
+    if not args.no_warm_fa2 and any(parse_config(c)["kv_cache_dtype"].startswith("turboquant") for c in configs):
+        records[0]["meta"]["fa2_warm"] = _warm_fa2(model, args.timeout)
     for i, config in enumerate(configs, 1):
         _log(f"({i}/{len(configs)}) {config}: starting an engine for cases {args.cases}")
         started = time.perf_counter()

@@ -1,4 +1,4 @@
-"""The ``tqkv`` command: ``demo``, ``inspect``, ``quality``, ``bench kernels``, ``bench e2e``."""
+"""The ``tqkv`` command: ``demo``, ``inspect``, ``quality``, ``bench kernels``, ``bench e2e``, ``warm-fa2``."""
 
 from __future__ import annotations
 
@@ -26,7 +26,14 @@ def main(argv: list[str] | None = None) -> int:
     bench_kinds.add_parser("kernels", help="per-layer kernel timings against FA3 and vLLM's TurboQuant", add_help=False)
     bench_kinds.add_parser("e2e", help="the vLLM engine's decode tokens/s per cache configuration", add_help=False)
 
+    commands.add_parser("warm-fa2", add_help=False,
+                        help="compile vLLM's FlashAttention-2 for this GPU ahead of the first TurboQuant engine")
+
     args, rest = parser.parse_known_args(argv)
+    if args.command == "warm-fa2":
+        from tqkv_compile.vllm import fa2_warm
+
+        return fa2_warm.main(rest)
     if args.command == "demo":
         if rest:
             parser.error(f"unrecognized arguments: {' '.join(rest)}")

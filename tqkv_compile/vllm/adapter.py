@@ -336,5 +336,7 @@ def fa2_jit_warning(archs: dict[str, list[int]] | None, capability: tuple[int, i
     sass = ", ".join(f"sm_{a}" for a in archs["sass"]) or "none"
     advice = (" Keep the compiled modules for later starts: CUDA_CACHE_MAXSIZE=4294967296 (the driver's JIT cache, "
               "CUDA_CACHE_PATH, default ~/.nv/ComputeCache)." if ptx and not cache_maxsize else "")
+    if ptx:
+        advice += " `tqkv warm-fa2` compiles them ahead, several at once."
     return (f"vLLM runs the layers a TurboQuant cache keeps uncompressed with FlashAttention-2, whose library here "
             f"has native code for {sass} only, not this GPU's sm_{arch}: {how}.{advice}")
