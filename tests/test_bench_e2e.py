@@ -122,6 +122,30 @@ def test_an_interrupted_benchmark_takes_its_child_down(tmp_path, monkeypatch):
     assert alive == []
 
 
+def test_a_terminated_benchmark_takes_its_child_down(tmp_path):
+    """SIGTERM (a shell's timeout) on the parent: the engine's child, in a group of its own, is killed too."""
+    child = tmp_path / "child.py"
+    pid_file = tmp_path / "pid"
+    child.write_text(f"import os, time\nopen({str(pid_file)!r}, 'w').write(str(os.getpid()))\ntime.sleep(60)\n")
+    parent = tmp_path / "parent.py"
+    parent.write_text("import os, sys\nfrom tqkv_compile import bench_e2e\n"
+                      f"bench_e2e._run_child([sys.executable, {str(child)!r}], dict(os.environ), 60, lambda l: None)\n")
+    proc = subprocess.Popen([sys.executable, str(parent)])
+    for _ in range(200):
+        if pid_file.exists() and pid_file.read_text():
+            break
+        time.sleep(0.1)
+    proc.terminate()
+    assert proc.wait(timeout=30) == 143
+    pid = int(pid_file.read_text())
+    for _ in range(50):
+        if not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split(") ")[1][0] == "Z":
+            break
+        time.sleep(0.1)
+    else:
+        raise AssertionError("the child outlived its terminated parent")
+
+
 def test_log_tail_shows_lines_as_a_terminal_would_without_progress_bars():
     log = "start\nloading 10%|#   | 1/10\rloading 100%|####| 10/10\n\nwarn: slow\r\nTraceback...\nValueError: x\n"
     assert bench_e2e.log_tail(log) == "start\nwarn: slow\nTraceback...\nValueError: x"

@@ -49,8 +49,35 @@ def test_run_parallel_stops_at_its_time_limit_and_leaves_nothing_running(tmp_pat
         assert not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split(") ")[1][0] == "Z"
 
 
-def test_warm_has_nothing_to_do_without_a_gpu_that_needs_it_and_refuses_bad_input():
-    assert "skipped" in fa2_warm.warm([128])  # this machine: no CUDA GPU
+def test_run_parallel_takes_its_children_down_when_terminated(tmp_path):
+    """A shell's ``timeout`` sends SIGTERM to the command's group, which the children (groups of their own) are
+    not in: the runner kills them itself before it exits."""
+    pid_file = tmp_path / "pids"
+    child = tmp_path / "child.py"
+    child.write_text(f"import os, time\nopen({str(pid_file)!r}, 'a').write(f'{{os.getpid()}}\\n')\ntime.sleep(60)\n")
+    parent = tmp_path / "parent.py"
+    parent.write_text("import sys\nfrom tqkv_compile.vllm import fa2_warm\n"
+                      f"fa2_warm.run_parallel([[sys.executable, {str(child)!r}, 'a'], [sys.executable, {str(child)!r}, 'b']],"
+                      " jobs=2, timeout=60, log=lambda m: None)\n")
+    proc = subprocess.Popen([sys.executable, str(parent)])
+    for _ in range(200):
+        if pid_file.exists() and len(pid_file.read_text().split()) == 2:
+            break
+        time.sleep(0.1)
+    proc.terminate()
+    assert proc.wait(timeout=30) == 143
+    for pid in map(int, pid_file.read_text().split()):
+        for _ in range(50):
+            if not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split(") ")[1][0] == "Z":
+                break
+            time.sleep(0.1)
+        else:
+            raise AssertionError(f"child {pid} outlived its terminated parent")
+
+
+def test_warm_has_nothing_to_do_without_a_gpu_that_needs_it_and_refuses_bad_input(monkeypatch):
+    monkeypatch.setattr(fa2_warm, "needed", lambda: None)  # (this machine: no CUDA GPU; a GPU host may need it)
+    assert "skipped" in fa2_warm.warm([128])
     with pytest.raises(ValueError, match="head size 96"):
         fa2_warm.warm([96])
     with pytest.raises(ValueError, match="jobs"):
@@ -82,6 +109,7 @@ def test_a_child_runs_its_one_case(monkeypatch, capsys):
     assert json.loads(capsys.readouterr().out) == dict(head=128, case="prefill", first_s=12.5, second_s=0.0004)
 
 
+@pytest.mark.skipif(fa2_warm.needed() is not None, reason="this GPU needs the warm: the command would run it")
 def test_the_command_says_when_there_is_nothing_to_warm_and_refuses_bad_head_sizes():
     env = dict(os.environ)
     done = subprocess.run([sys.executable, "-m", "tqkv_compile.cli", "warm-fa2"], capture_output=True, text=True,
@@ -90,3 +118,19 @@ def test_the_command_says_when_there_is_nothing_to_warm_and_refuses_bad_head_siz
     bad = subprocess.run([sys.executable, "-m", "tqkv_compile.cli", "warm-fa2", "--head-sizes", "96"],
                          capture_output=True, text=True, env=env, timeout=300)
     assert bad.returncode == 2 and "head size 96" in bad.stderr
+
+
+def test_bench_e2e_warms_the_models_head_size_and_never_fails_on_it(tmp_path, monkeypatch):
+    from tqkv_compile import bench_e2e
+
+    heads = []
+    monkeypatch.setattr(fa2_warm, "warm", lambda h, **kw: heads.append((h, kw["timeout"])) or {"ran": 4})
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(dict(hidden_size=2048, num_attention_heads=32)))
+    assert bench_e2e._warm_fa2(str(model), 100) == {"ran": 4} and heads == [([64], 100)]  # 2048 / 32
+    (model / "config.json").write_text(json.dumps(dict(hidden_size=2048, num_attention_heads=32, head_dim=128)))
+    bench_e2e._warm_fa2(str(model), 100)
+    assert heads[-1] == ([128], 100)
+    (model / "config.json").write_text("{}")  # an error is recorded, not raised
+    assert bench_e2e._warm_fa2(str(model), 100)["error"].startswith("KeyError")

@@ -58,6 +58,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from tqkv_compile.children import kill_group, terminate_raises
+
 DEFAULT_CONFIGS = ["bf16", "fp8", "vllm_tq:turboquant_4bit_nc", "tqkv:turboquant_4bit_nc",
                    "tqkv_eager:turboquant_4bit_nc"]
 DEFAULT_CASES = [(64, 4096, 128), (1, 32768, 128)]
@@ -271,6 +273,16 @@ def _profile(llm, prompts: list, params, folder: Path, stem: str, rows: int = 40
 # -- the parent -------------------------------------------------------------------------------------------
 
 
+WARM_FA2_TIMEOUT = 240  # s: the slowest module took 127 s on an H200 with 8 compiling at once; past this the
+# engine compiles what is left itself, and the configuration keeps its own --timeout
+
+
+def _write(out: str | None, records: list[dict]) -> None:
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(json.dumps(records, indent=1) + "\n")
+
+
 def _warm_fa2(model: str, timeout: float) -> dict:
     """``tqkv warm-fa2`` for the model's head size, before the first engine with a TurboQuant cache: where this
     GPU has no native code in vLLM's FA2 (its boundary layers' kernels), that engine would otherwise compile
@@ -337,7 +349,7 @@ def _run_child(cmd: list[str], env: dict, timeout: float, on_stdout) -> tuple[st
     """Run ``cmd`` in its own process group; ``on_stdout`` sees each stdout line as it comes. Returns (stdout,
     stderr, exit code), the code None where the child passed ``timeout`` seconds. The group is killed when the
     child ends, however it ends (what it left running, say a compile worker holding the pipes or GPU memory,
-    goes with it; so does the child itself when this process is interrupted), and what it printed until then is
+    goes with it; so does the child itself when this process is interrupted or terminated), and what it printed until then is
     kept, carriage returns included (``log_tail`` reads them as a terminal would)."""
     import io
     import threading
@@ -360,21 +372,16 @@ def _run_child(cmd: list[str], env: dict, timeout: float, on_stdout) -> tuple[st
     for reader in readers:
         reader.start()
 
-    def kill_group() -> None:
-        try:
-            os.killpg(proc.pid, 9)
-        except (ProcessLookupError, PermissionError):
-            pass
-
     try:
-        code = proc.wait(timeout=timeout)
+        with terminate_raises():
+            code = proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
         code = None
-    except BaseException:  # interrupted (Ctrl-C, a signal made an exception): the engine must not outlive us
-        kill_group()
+    except BaseException:  # interrupted (Ctrl-C, SIGTERM: a shell's timeout): the engine must not outlive us
+        kill_group(proc)
         proc.wait()
         raise
-    kill_group()
+    kill_group(proc)
     proc.wait()
     deadline = time.monotonic() + 10
     for reader in readers:
@@ -507,7 +514,8 @@ def main(argv: list[str] | None = None) -> int:
     model = args.model or default_model(Path(tempfile.gettempdir()) / "tqkv-llama3-8b-shape")
     records: list[dict] = [_meta(argv, model)]
     if not args.no_warm_fa2 and any(parse_config(c)["kv_cache_dtype"].startswith("turboquant") for c in configs):
-        records[0]["meta"]["fa2_warm"] = _warm_fa2(model, args.timeout)
+        records[0]["meta"]["fa2_warm"] = _warm_fa2(model, min(args.timeout, WARM_FA2_TIMEOUT))
+        _write(args.out, records)
     for i, config in enumerate(configs, 1):
         _log(f"({i}/{len(configs)}) {config}: starting an engine for cases {args.cases}")
         started = time.perf_counter()
@@ -516,9 +524,7 @@ def main(argv: list[str] | None = None) -> int:
         done = [r for r in got if "decode_tok_s" in r]
         _log(f"({i}/{len(configs)}) {config}: {len(done)}/{len(got)} cases in {time.perf_counter() - started:.0f} s"
              + "".join(f"; {r['B']}x{r['P']}x{r['N']}: {r['decode_tok_s']} tok/s" for r in done))
-        if args.out:  # nothing lost if a later configuration hangs
-            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.out).write_text(json.dumps(records, indent=1) + "\n")
+        _write(args.out, records)  # nothing lost if a later configuration hangs
     print(summary(records))
     if args.plot:
         plot(records, args.plot)

@@ -26,6 +26,8 @@ import sys
 import time
 from typing import Callable, Iterator
 
+from tqkv_compile.children import kill_group, terminate_raises
+
 CACHE_MAXSIZE = "4294967296"
 
 
@@ -94,7 +96,8 @@ def needed() -> str | None:
 def run_parallel(commands: list[list[str]], jobs: int, timeout: float, env: dict | None = None,
                  log: Callable[[str], None] = print) -> dict:
     """Run ``commands`` (each its own process group), at most ``jobs`` at once, all of them within ``timeout``
-    seconds (what is still running then is killed, what has not started is not started). Returns
+    seconds (what is still running then is killed, what has not started is not started; so on SIGTERM or
+    Ctrl-C, before the exception goes on). Returns
     ``{"ran", "failed", "not_run", "seconds", "timed_out"}`` (failed: the commands' last argument, their label)."""
     waiting = list(commands)
     running: list[tuple[subprocess.Popen, list[str]]] = []
@@ -102,34 +105,32 @@ def run_parallel(commands: list[list[str]], jobs: int, timeout: float, env: dict
     ran = 0
     started = time.monotonic()
     timed_out = False
-    try:
-        while waiting or running:
-            if time.monotonic() - started > timeout:
-                timed_out = True
-                break
-            while waiting and len(running) < jobs:
-                cmd = waiting.pop(0)
-                running.append((subprocess.Popen(cmd, env=env, start_new_session=True), cmd))
-            time.sleep(0.2)
-            still = []
+    with terminate_raises():
+        try:
+            while waiting or running:
+                if time.monotonic() - started > timeout:
+                    timed_out = True
+                    break
+                while waiting and len(running) < jobs:
+                    cmd = waiting.pop(0)
+                    running.append((subprocess.Popen(cmd, env=env, start_new_session=True), cmd))
+                time.sleep(0.2)
+                still = []
+                for proc, cmd in running:
+                    if proc.poll() is None:
+                        still.append((proc, cmd))
+                        continue
+                    ran += 1
+                    if proc.returncode != 0:
+                        failed.append(cmd[-1])
+                    log(f"{cmd[-1]}: {'done' if proc.returncode == 0 else f'FAILED (exit {proc.returncode})'} "
+                        f"at {time.monotonic() - started:.0f} s")
+                running = still
+        finally:  # timed out, interrupted or terminated: nothing left behind
             for proc, cmd in running:
-                if proc.poll() is None:
-                    still.append((proc, cmd))
-                    continue
-                ran += 1
-                if proc.returncode != 0:
-                    failed.append(cmd[-1])
-                log(f"{cmd[-1]}: {'done' if proc.returncode == 0 else f'FAILED (exit {proc.returncode})'} "
-                    f"at {time.monotonic() - started:.0f} s")
-            running = still
-    finally:  # timed out or interrupted: nothing left behind
-        for proc, cmd in running:
-            try:
-                os.killpg(proc.pid, 9)
-            except (ProcessLookupError, PermissionError):
-                pass
-            proc.wait()
-            failed.append(cmd[-1])
+                kill_group(proc)
+                proc.wait()
+                failed.append(cmd[-1])
     return dict(ran=ran, failed=failed, not_run=[c[-1] for c in waiting], seconds=round(time.monotonic() - started, 1),
                 timed_out=timed_out)
 
