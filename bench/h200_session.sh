@@ -295,7 +295,8 @@ e2e)
     step "tqkv bench e2e: ${2} (graph partition: ${TQKV_GRAPH_PARTITION:-1})"
     timeout ${4:-570} python3 -m tqkv_compile.bench_e2e --configs "$2" --cases "${3:-64x4096x128,1x32768x128}" \
         --timeout ${E2E_CONFIG_TIMEOUT:-330} \
-        --out "$OUT/h200-e2e-part.json" $([ "${E2E_PROFILE:-0}" = 1 ] && echo --profile /tmp/e2e-profiles) ${E2E_ARGS:-} 2>&1 \
+        --out "$OUT/h200-e2e-part.json" --plot "$OUT/h200-e2e-part.png" \
+        $([ "${E2E_PROFILE:-0}" = 1 ] && echo --profile /tmp/e2e-profiles) ${E2E_ARGS:-} 2>&1 \
         | tee "$OUT/e2e.log" | grep -v "s \.\.\.$"
     # the profiles as one file (at most 8 files come back from a command)
     [ -d /tmp/e2e-profiles ] && tar -czf "$OUT/e2e-profiles.tgz" -C /tmp e2e-profiles && rm -rf /tmp/e2e-profiles

@@ -201,3 +201,9 @@ def test_decode_rate_takes_the_median_step_and_keeps_the_spread():
         bench_e2e.decode_rate([(1.0, 1.1), (1.0, 0.9), (1.0, 0.8)], B=1, N=12)
     with pytest.raises(ValueError):
         bench_e2e.decode_rate([], B=1, N=12)
+
+
+def test_no_chart_where_nothing_was_measured(tmp_path, capsys):
+    chart = tmp_path / "e2e.png"
+    bench_e2e.plot([{"meta": {}}, dict(config="bf16", B=1, P=8, N=3, error="exit 1\nboom")], str(chart))
+    assert not chart.exists() and "no chart" in capsys.readouterr().err

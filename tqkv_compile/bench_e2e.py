@@ -437,13 +437,17 @@ def _error_line(error: str) -> str:
 
 
 def plot(records: list[dict], path: str) -> None:
-    """Bar chart: decode tokens/s per configuration, one group per case (matplotlib, imported here)."""
+    """Bar chart: decode tokens/s per configuration, one group per case (matplotlib, imported here); no chart,
+    and a line that says so, where no case has a rate."""
+    rows = [r for r in records if "decode_tok_s" in r]
+    if not rows:
+        _log(f"no chart ({path}): no configuration measured a case")
+        return
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [r for r in records if "decode_tok_s" in r]
     cases = sorted({(r["B"], r["P"], r["N"]) for r in rows})
     configs = list(dict.fromkeys(r["config"] for r in rows))
     fig, axes = plt.subplots(1, len(cases), figsize=(5 * len(cases), 4), squeeze=False)
