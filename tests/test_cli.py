@@ -45,7 +45,7 @@ def test_a_multimodal_config_is_read_through_its_text_config(tmp_path):
                                                                       "num_hidden_layers": 6, "vocab_size": 1000,
                                                                       "hidden_size": 1024}}))
     demo.check_model("demo", str(tmp_path))
-    assert demo._model_shape(str(tmp_path)) == (6, 4, 128)
+    assert demo.model_shape(str(tmp_path)) == (6, 4, 128)
 
 
 def test_quality_names_an_unknown_preset_and_the_valid_ones(capsys):

@@ -127,9 +127,9 @@ def test_bench_e2e_warms_the_models_head_size_and_never_fails_on_it(tmp_path, mo
     monkeypatch.setattr(fa2_warm, "warm", lambda h, **kw: heads.append((h, kw["timeout"])) or {"ran": 4})
     model = tmp_path / "m"
     model.mkdir()
-    (model / "config.json").write_text(json.dumps(dict(hidden_size=2048, num_attention_heads=32)))
+    (model / "config.json").write_text(json.dumps(dict(num_hidden_layers=6, hidden_size=2048, num_attention_heads=32)))
     assert bench_e2e._warm_fa2(str(model), 100) == {"ran": 4} and heads == [([64], 100)]  # 2048 / 32
-    (model / "config.json").write_text(json.dumps(dict(hidden_size=2048, num_attention_heads=32, head_dim=128)))
+    (model / "config.json").write_text(json.dumps(dict(num_hidden_layers=6, hidden_size=2048, num_attention_heads=32, head_dim=128)))
     bench_e2e._warm_fa2(str(model), 100)
     assert heads[-1] == ([128], 100)
     (model / "config.json").write_text("{}")  # an error is recorded, not raised

@@ -288,12 +288,12 @@ def _warm_fa2(model: str, timeout: float) -> dict:
     GPU has no native code in vLLM's FA2 (its boundary layers' kernels), that engine would otherwise compile
     them one by one in its first steps (minutes; on an H100 the first such engine of a bare machine passed a
     330 s limit). Never in the way of the benchmark: any error is recorded and the configurations run."""
+    from tqkv_compile.demo import model_shape
     from tqkv_compile.vllm import fa2_warm
 
     try:
-        config = json.loads(Path(model, "config.json").read_text())
-        head = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-        result = fa2_warm.warm([int(head)], jobs=min(8, os.cpu_count() or 1), timeout=timeout,
+        head = model_shape(model)[2]
+        result = fa2_warm.warm([head], jobs=min(8, os.cpu_count() or 1), timeout=timeout,
                                log=lambda msg: _log(f"warm-fa2: {msg}"))
     except Exception as exc:  # noqa: BLE001
         result = dict(error=f"{type(exc).__name__}: {exc}")

@@ -162,7 +162,8 @@ def compare_forced(a: dict, b: dict) -> dict:
                 forced_token_logprob_diff_mean=round(sum(diffs) / max(len(diffs), 1), 5))
 
 
-def _model_shape(model: str) -> tuple[int, int, int]:
+def model_shape(model: str) -> tuple[int, int, int]:
+    """(layers, kv heads, head size) from a model folder's config.json (a multimodal config's text part)."""
     with open(os.path.join(model, "config.json")) as f:
         cfg = text_config(json.load(f))
     heads = cfg["num_attention_heads"]
@@ -173,7 +174,7 @@ def _model_shape(model: str) -> tuple[int, int, int]:
 
 def kv_bytes_per_token(model: str, preset: str, compressed_layers: int) -> tuple[int, int]:
     """(bytes per token over all layers with the TurboQuant layers packed, the same all in bf16)."""
-    layers, kv_heads, head_dim = _model_shape(model)
+    layers, kv_heads, head_dim = model_shape(model)
     bf16_layer = kv_heads * head_dim * 2 * 2
     try:
         slot = get_preset(preset, head_dim).slot_bytes
