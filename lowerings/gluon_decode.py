@@ -82,11 +82,17 @@ def mode() -> str:
     return _setting(ENV, "auto", ("auto", "0", "1"))
 
 
-def _setting(name: str, default: str, choices: tuple[str, ...]) -> str:
-    """Environment variable ``name`` (``default`` when unset), refused unless one of ``choices``."""
+def _listed(choices: tuple, last: str = "or") -> str:
+    """``(0, 1, 2)`` -> ``"0, 1 or 2"`` (the choices in messages)."""
+    return f"{', '.join(map(str, choices[:-1]))} {last} {choices[-1]}"
+
+
+def _setting(name: str, default: str, choices: tuple) -> str:
+    """Environment variable ``name`` (``default`` when unset), refused unless one of ``choices`` (as text)."""
+    choices = tuple(map(str, choices))
     value = os.environ.get(name, default)
     if value not in choices:
-        raise ValueError(f"{name}={value!r}: expected {', '.join(choices[:-1])} or {choices[-1]}")
+        raise ValueError(f"{name}={value!r}: expected {_listed(choices)}")
     return value
 
 
@@ -121,6 +127,7 @@ def enabled() -> bool:
 
 
 PREFETCH_ENV = "TQKV_FRAGMENT_PREFETCH"
+PREFETCHES = (0, 1, 2)  # loaded in the tile (0); block ids a tile ahead (1); words a tile, block ids two ahead (2)
 
 
 def default_prefetch(preset: Preset | None = None) -> int:
@@ -138,10 +145,11 @@ def default_prefetch(preset: Preset | None = None) -> int:
         fallback = "0"
     else:
         fallback = "1" if preset is not None and preset.key_fp8 else "2"
-    return int(_setting(PREFETCH_ENV, fallback, ("0", "1", "2")))
+    return int(_setting(PREFETCH_ENV, fallback, PREFETCHES))
 
 
 STAGE_ENV = "TQKV_FRAGMENT_STAGE"
+STAGES = (0, 1, 2)  # the loops: fragments loaded in place (0), moved as 16-bit (1) or 32-bit words (2)
 
 
 def default_stage(preset: Preset | None = None) -> int:
@@ -161,7 +169,7 @@ def default_stage(preset: Preset | None = None) -> int:
     ring hid latency, its 717 instructions a tile cost more; with the key table it would have held 85 KB a
     program); deleted on 2026-12-05 (in git at 54f6150)."""
     three_bit = preset is not None and _three_bit_fields(preset)
-    return int(_setting(STAGE_ENV, "2" if three_bit else "1", ("0", "1", "2")))
+    return int(_setting(STAGE_ENV, "2" if three_bit else "1", STAGES))
 
 
 KEY_TABLE_ENV = "TQKV_FRAGMENT_KEY_TABLE"
@@ -184,7 +192,7 @@ def default_key_table(preset: Preset | None = None, device: torch.device | None 
         return 0
     fallback = _growable_launches() and (
         device is None or device.type != "cuda" or torch.cuda.get_device_capability(device)[0] == 9)
-    return int(_setting(KEY_TABLE_ENV, "32" if fallback else "0", tuple(map(str, KEY_TABLE_COPIES))))
+    return int(_setting(KEY_TABLE_ENV, "32" if fallback else "0", KEY_TABLE_COPIES))
 
 
 def has_key_table(preset: Preset) -> bool:
@@ -261,8 +269,9 @@ def maxnreg(dim: int, prefetch: int = 0) -> int:
     A/B (so that the engine runs can take it; head 256 keeps its caps, which 128 would spill under): with the key
     table, which frees the permute lookup's registers, PREFETCH 2 at head 128 compiles under 128 without loop
     spills (sm_90a, triton 3.6: 4bit_nc 516 SASS a tile and 4 bytes spilled outside the loop, tqkv_4bit_pc 425
-    and none, the 3-bit presets none), so 4 programs an SM instead of 3; untimed (``h200-kernels-notes.md``,
-    thirteenth session)."""
+    and none, the 3-bit presets none), so 4 programs an SM instead of 3. Timed on an H100 (2026-12-05 18:20,
+    ``h100-regs.json``): 1.8% slower over the 4-bit-key presets (4bit_nc 64 x 32768 1206 -> 1244 us, 1 x 32768
+    1.03-1.09x slower), faster at 64 x 4096 (0.92-0.97x) and for k3v4_nc from batch 64 up; 168 stays."""
     if (forced := os.environ.get(MAXNREG_ENV)) is not None:
         if not (forced.isdigit() and 64 <= int(forced) <= 255):
             raise ValueError(f"{MAXNREG_ENV}={forced!r}: expected a number of registers from 64 to 255")
@@ -285,8 +294,8 @@ def supports(preset: Preset, kv_cache: torch.Tensor, group: int, device: torch.d
     if torch.cuda.get_device_capability(device) < (8, 0):
         return "mma.sync m16n8k16 needs compute capability 8.0 or later"
     stage = default_stage(preset) if stage is None else stage
-    if stage not in (0, 1, 2):
-        return f"STAGE {stage}: the fragment kernel's loops are STAGE 0, 1 and 2"
+    if stage not in STAGES:
+        return f"STAGE {stage}: the fragment kernel's loops are STAGE {_listed(STAGES, 'and')}"
     if not (preset.key_fp8 or preset.key_bits in (3, 4)) or preset.value_bits not in (3, 4) or not preset.vllm_layout:
         return f"{preset.name}: the fragment kernel reads vLLM's layouts only (3- or 4-bit or fp8 keys, 3- or 4-bit values)"
     if _three_bit_fields(preset) and stage == 0:
@@ -959,10 +968,10 @@ def loop_settings(preset: Preset, prefetch: int | None = None, stage: int | None
     (:func:`maxnreg`) and the split count the launcher derives from PREFETCH are the kernel's."""
     prefetch = default_prefetch(preset) if prefetch is None else int(prefetch)
     stage = default_stage(preset) if stage is None else stage
-    if prefetch not in (0, 1, 2):
-        raise ValueError(f"prefetch: expected 0, 1 or 2, got {prefetch!r}")
-    if stage not in (0, 1, 2):
-        raise ValueError(f"stage: expected 0, 1 or 2, got {stage!r}")
+    if prefetch not in PREFETCHES:
+        raise ValueError(f"prefetch: expected {_listed(PREFETCHES)}, got {prefetch!r}")
+    if stage not in STAGES:
+        raise ValueError(f"stage: expected {_listed(STAGES)}, got {stage!r}")
     return prefetch, stage
 
 
@@ -980,8 +989,7 @@ def launch(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, s
     prefetch, stage = loop_settings(preset, prefetch, stage)
     copies = default_key_table(preset, q.device) if key_table is None else int(key_table)
     if copies not in KEY_TABLE_COPIES:  # (8: bank conflicts, slower than 0; for the A/B)
-        raise ValueError(f"key_table: expected {', '.join(map(str, KEY_TABLE_COPIES[:-1]))} or "
-                         f"{KEY_TABLE_COPIES[-1]}, got {key_table!r}")
+        raise ValueError(f"key_table: expected {_listed(KEY_TABLE_COPIES)}, got {key_table!r}")
     if not has_key_table(preset):
         copies = 0
     rows, kv_heads = q.shape[0], kv_cache.shape[2]
