@@ -11,6 +11,7 @@ import time
 
 import pytest
 
+from processes import gone
 from tqkv_compile import bench_e2e
 from tqkv_compile.demo import builtin_model
 
@@ -88,14 +89,7 @@ def test_a_child_is_ended_with_what_it_left_running_and_its_output_kept(tmp_path
     assert time.perf_counter() - started < 8 and code == 0
     assert seen == ["TQKV_E2E_STAGE started\n"] and stdout == "TQKV_E2E_STAGE started\n"
     assert stderr.endswith("last words") and bench_e2e.log_tail(stderr) == "Loaded all\nlast words"
-    worker = int(pid_file.read_text())
-    for _ in range(50):  # killed with the group (a zombie until init reaps it: gone from /proc or state Z)
-        stat = f"/proc/{worker}/stat"
-        if not os.path.exists(stat) or open(stat).read().split(") ")[1].startswith("Z"):
-            break
-        time.sleep(0.1)
-    else:
-        raise AssertionError("the child's worker outlived it")
+    assert gone(int(pid_file.read_text())), "the child's worker outlived it"  # killed with the group
 
 
 def test_an_interrupted_benchmark_takes_its_child_down(tmp_path, monkeypatch):
@@ -137,13 +131,7 @@ def test_a_terminated_benchmark_takes_its_child_down(tmp_path):
         time.sleep(0.1)
     proc.terminate()
     assert proc.wait(timeout=30) == 143
-    pid = int(pid_file.read_text())
-    for _ in range(50):
-        if not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split(") ")[1][0] == "Z":
-            break
-        time.sleep(0.1)
-    else:
-        raise AssertionError("the child outlived its terminated parent")
+    assert gone(int(pid_file.read_text())), "the child outlived its terminated parent"
 
 
 def test_log_tail_shows_lines_as_a_terminal_would_without_progress_bars():

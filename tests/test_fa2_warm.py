@@ -12,6 +12,7 @@ import time
 
 import pytest
 
+from processes import gone
 from tqkv_compile.vllm import fa2_warm
 
 
@@ -46,7 +47,7 @@ def test_run_parallel_stops_at_its_time_limit_and_leaves_nothing_running(tmp_pat
     assert time.perf_counter() - started < 15
     assert result["timed_out"] and sorted(result["failed"]) == ["x", "y"] and result["not_run"] == ["z"]
     for pid in map(int, pid_file.read_text().split()):
-        assert not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split(") ")[1][0] == "Z"
+        assert gone(pid, wait_s=0)  # already, when run_parallel returns
 
 
 def test_run_parallel_takes_its_children_down_when_terminated(tmp_path):
@@ -67,12 +68,7 @@ def test_run_parallel_takes_its_children_down_when_terminated(tmp_path):
     proc.terminate()
     assert proc.wait(timeout=30) == 143
     for pid in map(int, pid_file.read_text().split()):
-        for _ in range(50):
-            if not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split(") ")[1][0] == "Z":
-                break
-            time.sleep(0.1)
-        else:
-            raise AssertionError(f"child {pid} outlived its terminated parent")
+        assert gone(pid), f"child {pid} outlived its terminated parent"
 
 
 def test_warm_has_nothing_to_do_without_a_gpu_that_needs_it_and_refuses_bad_input(monkeypatch):
