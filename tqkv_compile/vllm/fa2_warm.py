@@ -88,7 +88,8 @@ def needed() -> str | None:
             return None
         from tqkv_compile.vllm import adapter
 
-        return adapter.fa2_jit_warning(adapter.fa2_native_archs(), torch.cuda.get_device_capability(), "set")
+        return adapter.fa2_jit_warning(adapter.fa2_native_archs(), torch.cuda.get_device_capability(),
+                                       os.environ.get("CUDA_CACHE_MAXSIZE"))
     except Exception:  # noqa: BLE001  (a diagnostic: an unreadable library means nothing is known)
         return None
 
