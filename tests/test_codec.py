@@ -148,3 +148,19 @@ def test_a_head_size_that_is_not_an_int_raises_type_error_and_leaves_the_cache_a
         get_preset("turboquant_4bit_nc", head_dim)
     preset = get_preset("turboquant_4bit_nc", 128)
     assert type(preset.head_dim) is int and preset.head_dim == 128
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 5, 6, 8])
+def test_unpacked_codes_are_the_packed_ones_and_byte_splits_match_the_word_path(bits):
+    """unpack_codes inverts pack_codes at every width a preset uses (and a few more), over leading dimensions;
+    the byte splits of 4- and 8-bit codes give what the general word path gives, code for code."""
+    from tqkv_compile.codec import _unpack_words, pack_codes, unpack_codes
+
+    codes = torch.randint(0, 1 << bits, (3, 5, 64), generator=torch.Generator().manual_seed(bits))
+    packed = pack_codes(codes, bits)
+    assert packed.dtype == torch.uint8 and packed.shape == (3, 5, 64 * bits // 8)
+    unpacked = unpack_codes(packed, bits, 64)
+    assert unpacked.dtype == torch.int64
+    assert torch.equal(unpacked, codes)
+    assert torch.equal(_unpack_words(packed, bits, 64), codes)
+    assert torch.equal(unpack_codes(packed[1:, 2:4], bits, 64), codes[1:, 2:4])  # a strided view
