@@ -258,7 +258,7 @@ def test_a_backend_is_never_chosen_for_a_preset_it_cannot_serve():
     tqkv_compile.register_backend(EveryDeviceTritonLike(), priority=50)
     try:
         assert tqkv_compile.select_backend(torch.device("cpu"), vllm_preset).name == "vllm_presets_only_test_backend"
-        assert tqkv_compile.select_backend(torch.device("cpu"), own).name == "reference"
+        assert tqkv_compile.select_backend(torch.device("cpu"), own).name == "pytorch"  # (next: the reference)
         with tqkv_compile.use_backend("vllm_presets_only_test_backend"):
             with pytest.raises(ValueError, match="does not support preset"):
                 tqkv_compile.select_backend(torch.device("cpu"), own)

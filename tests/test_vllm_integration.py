@@ -283,3 +283,18 @@ def test_triton_backend_in_the_engine_serves_a_mixed_prefill_batch_like_the_refe
     same, diff, _ = compare_logprobs(triton, reference)
     assert same, (triton["tokens"], reference["tokens"])
     assert diff < 2e-2
+
+
+def test_the_cpus_pytorch_backend_serves_chunked_prefill_like_the_reference():
+    """The engine's default backend on the CPU (pytorch: SDPA for whole prompts and long chunks) against the
+    reference, eager, prompts of 600 tokens under a 256-token budget: first chunks (whole prompts), continuation
+    chunks of more than 128 tokens (the dense path), short ones and decode steps. Same tokens, logprobs close."""
+    argv = ("--mode", "eager", "--prompts", "2", "--prompt-len", "600", "--max-num-batched-tokens", "256",
+            "--max-model-len", "1024", "--new-tokens", "6")
+    default = engine(LLAMA, *argv)
+    reference = engine(LLAMA, *argv, env_extra=(("TQKV_BACKEND", "reference"),))
+    assert default["memory_backend"] == "pytorch" and reference["memory_backend"] == "reference"
+    assert default["served_impl"] == TQ_LAYERS and reference["served_impl"] == TQ_LAYERS
+    same, diff, _ = compare_logprobs(default, reference)
+    assert same, (default["tokens"], reference["tokens"])
+    assert diff < 1e-3

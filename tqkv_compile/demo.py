@@ -229,6 +229,7 @@ def run(args: argparse.Namespace) -> int:
         "layers_total": len(compiled["layers"]),
         "layers_rewritten": len(rewritten),
         "rewritten": rewritten,
+        "memory_backend": compiled.get("memory_backend"),
         "fallbacks": compiled["fallbacks"],
         "pass_error": compiled["pass"]["error"],
         "tokens_match_eager": same,
@@ -261,7 +262,8 @@ def run(args: argparse.Namespace) -> int:
 def _print_summary(s: dict) -> None:
     stored = "" if s["stored_preset"] == s["kv_cache_dtype"] else f", stored as {s['stored_preset']}"
     print(f"\nModel {s['model']}  ({s['kv_cache_dtype']}{stored})")
-    print(f"Attention layers: {s['layers_total']}, served by tqkv in the compiled graph: {s['layers_rewritten']}")
+    print(f"Attention layers: {s['layers_total']}, served by tqkv in the compiled graph: {s['layers_rewritten']} "
+          f"(tqkv's {s['memory_backend']} backend)")
     for name in s["rewritten"]:
         print(f"  rewritten  {name}")
     for name, reason in sorted(s["fallbacks"].items()):

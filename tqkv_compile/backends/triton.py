@@ -122,33 +122,9 @@ class TritonBackend:
         """The decode kernels for every sequence, except whole prompts (given the step's ``key`` and ``value``)
         and those with many new tokens, which get the prefill paths (:mod:`tqkv_compile.backends.prefill`).
         ``out``: where to write (a pure decode batch: the merge kernel stores there)."""
-        planned = prefill.plan(query_start_loc, seq_lens, query.shape[0], whole_prompts=key is not None)
-        if planned is None:
-            return self.decode_kernels(query, kv_cache, block_table, seq_lens, query_start_loc, scale, preset,
-                                       out=out)
-        starts, lengths, dense, whole = planned
-        # rows past query_start_loc[-1] (padding) stay zero, as the reference's
-        out = torch.zeros_like(query) if out is None else out.zero_()
-        short = sorted(set(range(seq_lens.shape[0])) - set(dense) - set(whole))
-        if short:
-            if short == list(range(len(short))):  # vLLM's order: decodes first, so usually a plain prefix
-                rows = slice(0, starts[len(short)])
-                self.decode_kernels(query[rows], kv_cache, block_table[: len(short)], seq_lens[: len(short)],
-                                    query_start_loc[: len(short) + 1], scale, preset, out=out[rows])
-            else:
-                index = torch.cat([torch.arange(starts[b], starts[b + 1]) for b in short]).to(query.device)
-                counts = torch.tensor([0] + [starts[b + 1] - starts[b] for b in short]).cumsum(0)
-                picked = torch.tensor(short, device=query.device)
-                sub = self.decode_kernels(query[index], kv_cache, block_table[picked], seq_lens[picked],
-                                             counts.to(query_start_loc.device, query_start_loc.dtype), scale, preset)
-                out[index] = sub
-        varlen = _flash_varlen(query)
-        if dense:
-            prefill.dense_attention(query, kv_cache, block_table, lengths, starts, scale, preset, dense, out,
-                                    decode=self.dense_decode, varlen=varlen)
-        if whole:
-            prefill.whole_prompt_attention(query, key, value, starts, scale, whole, out, varlen=varlen)
-        return out
+        return prefill.serve(query, kv_cache, block_table, seq_lens, query_start_loc, scale, preset, key, value,
+                             out, decode=self.decode_kernels, dense_decode=self.dense_decode,
+                             find_varlen=lambda: _flash_varlen(query))
 
     def dense_decode(self, kv_cache, slots, preset: Preset, dtype: torch.dtype):
         """The prefill path's keys and values (``prefill.dense_attention``'s ``decode``): one Triton kernel,

@@ -179,6 +179,7 @@ def run(args: argparse.Namespace) -> dict:
         "layers": layers,
         "served_compiled": serving.served_layers("compiled"),
         "served_impl": serving.served_layers("impl"),
+        "memory_backend": _memory_backend(args),
         "fallbacks": dict(serving.fallbacks),
         "pass": {"attention_nodes": report.attention_nodes, "layers_known": report.layers_known, "rewritten": report.rewritten,
                  "fallbacks": report.fallbacks, "error": report.error},
@@ -187,6 +188,20 @@ def run(args: argparse.Namespace) -> dict:
         "top1": top1,
         "logprobs": logprobs,
     }
+
+
+def _memory_backend(args: argparse.Namespace) -> str | None:
+    """The memory backend the tqkv ops select in this run (the device's, or ``TQKV_BACKEND``'s); None without
+    tqkv or a TurboQuant cache."""
+    if not args.tqkv or not args.kv_cache_dtype.startswith("turboquant"):
+        return None
+    import torch
+
+    import tqkv_compile
+    from tqkv_compile.demo import model_shape
+
+    preset = tqkv_compile.get_preset(args.tqkv_preset or args.kv_cache_dtype, model_shape(args.model)[2])
+    return tqkv_compile.select_backend(torch.device("cuda" if torch.cuda.is_available() else "cpu"), preset).name
 
 
 def _forced_tokens(args: argparse.Namespace) -> list[list[int]] | None:

@@ -1,0 +1,68 @@
+"""The PyTorch serving backend (tqkv_compile/backends/pytorch.py): the CPU's default, the reference's answers
+with SDPA for whole prompts and long chunks; the reference stays the oracle."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tqkv_compile
+from paged import build, step_kv
+from tqkv_compile import get_backend, get_preset
+
+
+def test_the_cpu_is_served_by_the_pytorch_backend_and_checked_against_the_reference():
+    """Automatic selection on the CPU takes it for vLLM's presets and ours; the validate mode compares it with
+    the reference (a report of its own, a difference at float rounding)."""
+    for name in ("turboquant_4bit_nc", tqkv_compile.codec.own_preset_names()[0]):
+        assert tqkv_compile.select_backend(torch.device("cpu"), get_preset(name, 64)).name == "pytorch"
+    s = build("turboquant_4bit_nc", lens=(30, 160), new=(1, 160), dtype=torch.float32, seed=3)
+    key, value = step_kv(s)
+    tqkv_compile.validation_reports(clear=True)
+    tqkv_compile.set_validate(True)
+    try:
+        torch.ops.tqkv.attention(s.query, s.kv_cache, s.block_table, s.seq_lens, s.query_start_loc, 0.125,
+                                 s.preset, key=key, value=value)
+    finally:
+        tqkv_compile.set_validate(None)
+    (report,) = tqkv_compile.validation_reports(clear=True)
+    assert report.backend == "pytorch" and report.op == "attention"
+    assert 0 < report.max_abs_diff < 1e-5  # SDPA's order of sums, not the einsum's
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("preset_name", ["turboquant_4bit_nc", "turboquant_k8v4", "turboquant_3bit_nc", "tqkv_k5v3"])
+def test_every_kind_of_row_agrees_with_the_reference(preset_name, dtype, monkeypatch):
+    """One batch of everything: decodes, a short chunk over cached positions and a dense continuation (read
+    through the codec), two whole prompts (their own keys and values), padding rows. Whole prompts and the
+    dense sequence take the prefill paths (SDPA), the other rows the reference's attention (not a prefix of the
+    batch: the indexed split); every row agrees with the reference, padding stays zero."""
+    from tqkv_compile.backends import prefill
+
+    calls = {"whole": [], "dense": []}
+    whole_fn, dense_fn = prefill.whole_prompt_attention, prefill.dense_attention
+    monkeypatch.setattr(prefill, "whole_prompt_attention",
+                        lambda *a, **k: calls["whole"].append(a[5]) or whole_fn(*a, **k))
+    monkeypatch.setattr(prefill, "dense_attention", lambda *a, **k: calls["dense"].append(a[7]) or dense_fn(*a, **k))
+    s = build(preset_name, lens=(30, 160, 45, 200, 20, 12), new=(1, 160, 1, 140, 20, 3), group=2, dtype=dtype,
+              strided=True, seed=21)
+    key, value = step_kv(s)
+    pad = lambda t: torch.cat([t, torch.randn(2, *t.shape[1:]).to(t.dtype)])  # noqa: E731
+    query, key, value = pad(s.query), pad(key), pad(value)
+    args = (query, s.kv_cache, s.block_table, s.seq_lens, s.query_start_loc, 64**-0.5, get_preset(preset_name, 64))
+    out = get_backend("pytorch").attention(*args, key=key, value=value)
+    assert calls == {"whole": [[1, 4]], "dense": [[3]]}
+    expected = get_backend("reference").attention(*args, key=key, value=value)
+    tolerance = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=1e-2)
+    torch.testing.assert_close(out.float(), expected.float(), **tolerance)
+    assert not out[s.query.shape[0]:].any()
+    short = torch.cat([torch.arange(int(s.query_start_loc[b]), int(s.query_start_loc[b + 1])) for b in (0, 2, 5)])
+    assert torch.equal(out[short], expected[short])  # the reference's own attention, row for row
+
+
+def test_a_pure_decode_batch_is_the_references_answer_written_into_out():
+    s = build("turboquant_4bit_nc", lens=(9, 30, 17), new=(1, 1, 1), dtype=torch.float32, seed=5)
+    args = (s.query, s.kv_cache, s.block_table, s.seq_lens, s.query_start_loc, 0.125, get_preset("turboquant_4bit_nc", 64))
+    out = torch.full_like(s.query, float("nan"))
+    assert get_backend("pytorch").attention(*args, out=out) is out
+    assert torch.equal(out, get_backend("reference").attention(*args))
