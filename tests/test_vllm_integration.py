@@ -236,6 +236,7 @@ def test_layers_that_do_not_fit_stay_on_vllms_path_with_a_reason(model, kv_cache
     r = engine(model, "--mode", "eager", "--kv-cache-dtype", kv_cache_dtype)
     assert r["fallbacks"][layer].startswith(reason)
     assert layer not in r["served_impl"]
+    assert r["memory_backend"] is None or r["served_impl"]  # named only where tqkv served a layer
 
 
 def test_sliding_window_model_still_serves_its_full_attention_turboquant_layer():

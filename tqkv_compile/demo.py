@@ -262,8 +262,9 @@ def run(args: argparse.Namespace) -> int:
 def _print_summary(s: dict) -> None:
     stored = "" if s["stored_preset"] == s["kv_cache_dtype"] else f", stored as {s['stored_preset']}"
     print(f"\nModel {s['model']}  ({s['kv_cache_dtype']}{stored})")
-    print(f"Attention layers: {s['layers_total']}, served by tqkv in the compiled graph: {s['layers_rewritten']} "
-          f"(tqkv's {s['memory_backend']} backend)")
+    backend = f" (tqkv's {s['memory_backend']} backend)" if s["memory_backend"] else ""
+    print(f"Attention layers: {s['layers_total']}, served by tqkv in the compiled graph: {s['layers_rewritten']}"
+          f"{backend}")
     for name in s["rewritten"]:
         print(f"  rewritten  {name}")
     for name, reason in sorted(s["fallbacks"].items()):

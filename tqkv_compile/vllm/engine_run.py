@@ -179,7 +179,7 @@ def run(args: argparse.Namespace) -> dict:
         "layers": layers,
         "served_compiled": serving.served_layers("compiled"),
         "served_impl": serving.served_layers("impl"),
-        "memory_backend": _memory_backend(args),
+        "memory_backend": _memory_backend(args, bool(serving.served)),
         "fallbacks": dict(serving.fallbacks),
         "pass": {"attention_nodes": report.attention_nodes, "layers_known": report.layers_known, "rewritten": report.rewritten,
                  "fallbacks": report.fallbacks, "error": report.error},
@@ -190,17 +190,19 @@ def run(args: argparse.Namespace) -> dict:
     }
 
 
-def _memory_backend(args: argparse.Namespace) -> str | None:
-    """The memory backend the tqkv ops select in this run (the device's, or ``TQKV_BACKEND``'s); None without
-    tqkv or a TurboQuant cache."""
-    if not args.tqkv or not args.kv_cache_dtype.startswith("turboquant"):
+def _memory_backend(args: argparse.Namespace, served: bool) -> str | None:
+    """The memory backend the tqkv ops select for the layers this process ``served`` (the device's, or
+    ``TQKV_BACKEND``'s); None where it served none (no tqkv, no TurboQuant cache, layers it does not fit such
+    as head size 96, or tensor-parallel workers in other processes)."""
+    if not served:
         return None
     import torch
 
     import tqkv_compile
     from tqkv_compile.demo import model_shape
+    from tqkv_compile.vllm.serving import stored_preset
 
-    preset = tqkv_compile.get_preset(args.tqkv_preset or args.kv_cache_dtype, model_shape(args.model)[2])
+    preset = tqkv_compile.get_preset(stored_preset(args.kv_cache_dtype), model_shape(args.model)[2])
     return tqkv_compile.select_backend(torch.device("cuda" if torch.cuda.is_available() else "cpu"), preset).name
 
 
