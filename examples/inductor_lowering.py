@@ -5,13 +5,13 @@ A small decode step written against the ``tqkv::triton_kv_write`` / ``tqkv::trit
 ``torch.compile``; the script prints the generated code's lines that launch our kernels and checks the
 compiled step against eager and against the reference backend.
 
-    python examples/inductor_lowering.py            # CUDA if present, else the CPU (reference fallback)
+    python examples/inductor_lowering.py            # CUDA if present, else the CPU (the checked ops)
     python examples/inductor_lowering.py --show 40  # more of the generated code
 
 On CUDA the generated code defines and launches ``_kv_write_kernel``, ``_decode_stream_kernel`` (which
 rotates a bf16 / fp16 query itself; ``_prepare_query_kernel`` does it before for an fp32 one) and
 ``_merge_kernel`` itself; on the CPU it calls ``tqkv::kv_write`` /
-``tqkv::attention`` (reference backend).
+``tqkv::attention`` (the CPU's PyTorch backend).
 """
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ def main() -> int:
                 if re.search(r"(_kv_write_kernel|_prepare_query_kernel|_decode_\w+_kernel|_merge_kernel)\w*\.run\(|tqkv\.(kv_write|attention)", line)]
     kernels = sorted(set(re.findall(r"def (_kv_write_kernel|_prepare_query_kernel|_decode_\w+_kernel|_merge_kernel)\(", source)))
     print(f"device {dev}, preset {preset.name}, head {preset.head_dim}: {len(code)} generated module(s)")
-    print(f"Triton kernels defined in the generated code: {kernels or 'none (reference fallback)'}")
+    print(f"Triton kernels defined in the generated code: {kernels or 'none (the checked ops off CUDA)'}")
     print("launches / calls in the generated code:")
     for line in launches[: args.show]:
         print("   ", line[:160])

@@ -12,9 +12,9 @@ and merge; a query preparation launch before them for fp32 queries) appear in th
 call back into Python), and they are captured by CUDA graphs with the rest. The tables (rotation, its signs, centroids, lookup
 tables) are op inputs so that the traced graph holds no Python-side caches.
 
-Off CUDA the ops are ``tqkv::kv_write`` / ``tqkv::attention`` themselves (checked, reference backend): Inductor
+Off CUDA the ops are ``tqkv::kv_write`` / ``tqkv::attention`` themselves (checked, the CPU's backend): Inductor
 has no Triton code generation for the CPU, and the interpreter is for tests. The decomposition happens while
-tracing, so a compiled CPU graph calls the reference op, a compiled CUDA graph launches the kernels.
+tracing, so a compiled CPU graph calls the checked op, a compiled CUDA graph launches the kernels.
 
 The ``tqkv::kv_write`` / ``tqkv::attention`` ops stay the user-facing contract (they check their input and pick a
 backend). These two are what a compiled graph can hold when the cache and the attention metadata are graph
@@ -48,7 +48,7 @@ def tables(preset_name: str, head_dim: int, device: torch.device) -> dict[str, t
 def triton_kv_write(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
                     rotation: torch.Tensor, midpoints: torch.Tensor, centroids: torch.Tensor, preset: str) -> None:
     """As ``tqkv::kv_write``, through the Triton kernel on CUDA (no input checks there); elsewhere it is
-    ``tqkv::kv_write`` itself (checked, reference backend)."""
+    ``tqkv::kv_write`` itself (checked, the CPU's backend)."""
     if kv_cache.device.type != "cuda":
         torch.ops.tqkv.kv_write(key, value, kv_cache, slot_mapping, preset)
         return

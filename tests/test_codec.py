@@ -164,3 +164,5 @@ def test_unpacked_codes_are_the_packed_ones_and_byte_splits_match_the_word_path(
     assert torch.equal(unpacked, codes)
     assert torch.equal(_unpack_words(packed, bits, 64), codes)
     assert torch.equal(unpack_codes(packed[1:, 2:4], bits, 64), codes[1:, 2:4])  # a strided view
+    with pytest.raises(ValueError, match="bytes do not hold"):
+        unpack_codes(packed, bits, 128)

@@ -1,5 +1,5 @@
 """The triton_op forms of the kernels (lowerings/inductor_ops.py) under torch.compile on the CPU: Inductor
-decomposes them while tracing; off CUDA that is the checked ``tqkv`` op on the reference backend, so the compiled
+decomposes them while tracing; off CUDA that is the checked ``tqkv`` op on the CPU's backend, so the compiled
 step must equal eager and the generated code must call ``tqkv::kv_write`` / ``tqkv::attention``. (On CUDA the
 same trace launches the Triton kernels from the generated code: examples/inductor_lowering.py, run on the H200.)"""
 
@@ -47,7 +47,7 @@ def test_compiled_step_equals_eager_and_calls_the_reference_op_on_cpu():
 
 def test_the_inductor_lowering_example_runs_on_the_cpu():
     """The example the README points to (on the H200 it shows Inductor launching our kernels) runs here too
-    (off CUDA the ops fall back to the reference backend): it broke once when an op input was removed."""
+    (off CUDA the ops are the checked ``tqkv`` ops on the CPU's backend): it broke once when an op input was removed."""
     import os
     import subprocess
     import sys

@@ -1,4 +1,5 @@
-"""The tqkv custom ops keep DESIGN.md's contract on the reference backend."""
+"""The tqkv custom ops keep DESIGN.md's contract on the CPU's backends (the PyTorch serving backend unless a test
+names another)."""
 
 import pytest
 import torch
@@ -71,7 +72,7 @@ def test_whole_prompts_given_the_steps_keys_attend_them_as_they_are(name):
     assert (out[rows] - codec[rows]).abs().max() > 1e-3
 
 
-@pytest.mark.parametrize("backend", ["reference", "triton"])
+@pytest.mark.parametrize("backend", ["reference", "pytorch", "triton"])
 @pytest.mark.parametrize("new", [(1, 1, 1), (1, 4, 2)], ids=["decode", "mixed"])
 def test_attention_into_writes_the_ops_answer_into_a_given_buffer(backend, new):
     """``ops.attention_into`` (vLLM's layers: the answer straight into vLLM's output buffer) stores what the op

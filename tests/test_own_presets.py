@@ -1,5 +1,5 @@
 """Presets of our own: they fit the slot of the vLLM preset they ride on, beat it per bit, and work end to end
-through the codec and the tqkv ops on the reference backend."""
+through the codec and the tqkv ops on the CPU's (PyTorch) backend."""
 
 import pytest
 import torch

@@ -236,7 +236,7 @@ def test_layers_that_do_not_fit_stay_on_vllms_path_with_a_reason(model, kv_cache
     r = engine(model, "--mode", "eager", "--kv-cache-dtype", kv_cache_dtype)
     assert r["fallbacks"][layer].startswith(reason)
     assert layer not in r["served_impl"]
-    assert r["memory_backend"] is None or r["served_impl"]  # named only where tqkv served a layer
+    assert r["memory_backend"] == ("pytorch" if r["served_impl"] else None)  # named where tqkv served a layer
 
 
 def test_sliding_window_model_still_serves_its_full_attention_turboquant_layer():
@@ -267,6 +267,7 @@ def test_tensor_parallel_two_ranks_each_rewrite_and_serve_their_share():
         assert sorted(rank["fallbacks"]) == BOUNDARY
     for rank in eager["ranks"]:
         assert rank["served_impl"] == TQ_LAYERS
+    assert compiled["memory_backend"] == eager["memory_backend"] == "pytorch"  # (the workers' reports)
     same, diff, agreement = compare_logprobs(compiled, eager)
     assert same and agreement == 1.0 and diff < 2e-2
 

@@ -20,7 +20,7 @@ from tqkv_compile.backends.triton import TritonBackend
 from tqkv_compile.codec import Preset, get_preset, preset_names
 
 register_backend(ReferenceBackend(), priority=0)  # the oracle
-register_backend(PyTorchBackend(), priority=5)  # serves the CPU: the reference's decode, SDPA for prefill
+register_backend(PyTorchBackend(), priority=5)  # the CPU's (any device's without Triton): reference decode + SDPA
 register_backend(TritonBackend(), priority=10)  # imports no triton until a kernel runs; supports() checks it
 
 __all__ = [

@@ -111,6 +111,8 @@ def unpack_codes(packed: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
     8 bits: vLLM's 4-bit codes, our 8-bit ones) split the bytes themselves (the reference backend's CPU decode
     at 4 x 2048 positions, 3 kv heads, head 64: 2.4 -> 0.8 ms for the keys' codes), the others go through
     :func:`_unpack_words`."""
+    if packed.shape[-1] * 8 != dim * bits:
+        raise ValueError(f"packed: {packed.shape[-1]} bytes do not hold {dim} codes of {bits} bits")
     if bits == 8:
         return packed.to(torch.int64)
     if bits == 4:

@@ -100,7 +100,7 @@ def run_engine(label: str, model: str, argv: list[str], log_dir: str, timeout: f
     ``timeout``: seconds, after which the child is killed and this raises."""
     log_path = os.path.join(log_dir, re.sub(r"[^A-Za-z0-9]+", "_", label).strip("_") + ".log")
     env = dict(os.environ)
-    env.pop("TRITON_INTERPRET", None)  # the demo runs the CPU reference backend, not interpreted kernels
+    env.pop("TRITON_INTERPRET", None)  # the demo runs the CPU's PyTorch backend, not interpreted kernels
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     command = [sys.executable, "-m", "tqkv_compile.vllm.engine_run", "--model", model, *argv]
     _say(f"{label}: starting vLLM (log: {log_path})")

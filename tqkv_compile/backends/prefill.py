@@ -17,6 +17,9 @@ brings FlashAttention (CUDA), one varlen call for all of them (GQA, causal align
 Hopper); else SDPA per sequence with a lower-right mask, which takes the memory-efficient kernel, which has no
 GQA, so its keys and values are repeated per query head.
 
+:func:`serve` is a backend's whole attention with these paths (the Triton backend's and the PyTorch backend's,
+each with its own decode for the other rows).
+
 Planning needs the per-sequence token counts on the host (one sync), so the split is only looked at when the
 batch has more query rows than sequences, which never happens in a pure decode step.
 """

@@ -7,7 +7,9 @@ steps, short chunks) is the reference's own attention.
 Why a backend of its own: the reference is the oracle, exact fp32 attention kept simple (a whole prompt there
 is an einsum over the [heads, prompt, prompt] fp32 scores: 151 MB a 2048-token prompt a layer at 9 query
 heads), and the validate mode compares every other backend against it. Same answers up to float rounding
-(SDPA's order of sums), same bytes written.
+(SDPA's order of sums; with fp16 / bf16 queries the dense path also rounds the decoded keys and values and the
+rotated query to the query's dtype), same bytes written. It serves any device: on CUDA it is what is left
+where the Triton backend is not (no triton, or a preset its kernels do not read), with SDPA there too.
 """
 
 from __future__ import annotations

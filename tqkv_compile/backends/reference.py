@@ -1,4 +1,6 @@
-"""The reference memory backend: plain PyTorch on any device; the fallback and the oracle.
+"""The reference memory backend: plain PyTorch on any device; the oracle (the validate mode compares every other
+backend with it; ``TQKV_BACKEND=reference`` serves with it). The CPU is served by the PyTorch backend
+(:mod:`tqkv_compile.backends.pytorch`), which runs this decode and SDPA for prefill.
 
 It decodes the slots a sequence owns with the codec and runs exact fp32 attention over them, so it is
 slow at long context by design (it reads every position once per query step) and simple to trust.

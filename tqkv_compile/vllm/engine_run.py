@@ -179,7 +179,7 @@ def run(args: argparse.Namespace) -> dict:
         "layers": layers,
         "served_compiled": serving.served_layers("compiled"),
         "served_impl": serving.served_layers("impl"),
-        "memory_backend": _memory_backend(args, bool(serving.served)),
+        "memory_backend": _memory_backend(ranks),
         "fallbacks": dict(serving.fallbacks),
         "pass": {"attention_nodes": report.attention_nodes, "layers_known": report.layers_known, "rewritten": report.rewritten,
                  "fallbacks": report.fallbacks, "error": report.error},
@@ -190,20 +190,13 @@ def run(args: argparse.Namespace) -> dict:
     }
 
 
-def _memory_backend(args: argparse.Namespace, served: bool) -> str | None:
-    """The memory backend the tqkv ops select for the layers this process ``served`` (the device's, or
-    ``TQKV_BACKEND``'s); None where it served none (no tqkv, no TurboQuant cache, layers it does not fit such
-    as head size 96, or tensor-parallel workers in other processes)."""
-    if not served:
-        return None
-    import torch
+def _memory_backend(ranks: list[dict]) -> str | None:
+    """The tqkv memory backends that served attention (this process's and the tensor-parallel workers'), comma
+    separated; None where tqkv served no layer."""
+    from tqkv_compile.vllm import serving
 
-    import tqkv_compile
-    from tqkv_compile.demo import model_shape
-    from tqkv_compile.vllm.serving import stored_preset
-
-    preset = tqkv_compile.get_preset(stored_preset(args.kv_cache_dtype), model_shape(args.model)[2])
-    return tqkv_compile.select_backend(torch.device("cuda" if torch.cuda.is_available() else "cpu"), preset).name
+    names = set(serving.memory_backends.values()).union(*(rank.get("memory_backends", []) for rank in ranks))
+    return ", ".join(sorted(names)) or None
 
 
 def _forced_tokens(args: argparse.Namespace) -> list[list[int]] | None:

@@ -25,6 +25,8 @@ logger = logging.getLogger("vllm.tqkv_compile")  # vLLM's log handler and format
 fallbacks: dict[str, str] = {}
 #: (path, layer name) -> calls served; path is "compiled" (wrapper ops) or "impl" (our attention impl)
 served: Counter = Counter()
+#: layer name -> the tqkv memory backend its attention calls select (asked at the layer's first call)
+memory_backends: dict[str, str] = {}
 
 
 def own_preset() -> str | None:
@@ -218,6 +220,9 @@ def attend(layer: Any, query: torch.Tensor, kv_cache: torch.Tensor, metadata: An
     if key is not None and value is not None:
         kv_heads = layer.impl.num_kv_heads
         own = dict(key=key[:tokens].view(tokens, kv_heads, dim), value=value[:tokens].view(tokens, kv_heads, dim))
+    if layer.layer_name not in memory_backends:
+        memory_backends[layer.layer_name] = tqkv_compile.select_backend(query.device, preset).name
+        write_report()
     # straight into vLLM's buffer (no copy kernel a layer: the profile of 2026-12-04 17:02 counted one per layer
     # and step, ~1 us each under CUDA graphs)
     ops.attention_into(output.view(-1, heads, dim)[:tokens], query[:tokens].view(tokens, heads, dim), cache,
@@ -242,7 +247,7 @@ def write_report(rewritten: list[str] | None = None) -> None:
     if rewritten is not None:
         _rewritten = sorted(set(_rewritten) | set(rewritten))
     report = dict(pid=os.getpid(), served_compiled=served_layers("compiled"), served_impl=served_layers("impl"),
-                  fallbacks=dict(fallbacks), rewritten=_rewritten)
+                  fallbacks=dict(fallbacks), rewritten=_rewritten, memory_backends=sorted(set(memory_backends.values())))
     path = os.path.join(folder, f"{os.getpid()}.json")
     with open(path + ".tmp", "w") as f:
         json.dump(report, f)
@@ -259,4 +264,5 @@ def served_layers(path: str) -> list[str]:
 def reset() -> None:
     fallbacks.clear()
     served.clear()
+    memory_backends.clear()
     _fit.clear()
