@@ -67,41 +67,6 @@ def plan(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, rows: int,
     return (starts, lengths, dense, whole) if dense or whole else None
 
 
-def serve(query, kv_cache, block_table, seq_lens, query_start_loc, scale: float, preset: Preset, key, value, out,
-          *, decode, dense_decode=None, find_varlen=None) -> torch.Tensor:
-    """A backend's attention for any batch: ``decode`` (the backend's decode path, with ``attention``'s arguments
-    and ``out``) for every row, except whole prompts (given the step's ``key`` and ``value``:
-    :func:`whole_prompt_attention`) and sequences with more than DENSE_MIN_NEW_TOKENS new tokens
-    (:func:`dense_attention`, their keys and values by ``dense_decode``: default :func:`codec_decode`).
-    ``find_varlen()``: a FlashAttention varlen function for both, or None (SDPA); asked only when a prefill path
-    runs (a pure decode batch looks nothing up). Writes into ``out`` where given."""
-    planned = plan(query_start_loc, seq_lens, query.shape[0], whole_prompts=key is not None)
-    if planned is None:
-        return decode(query, kv_cache, block_table, seq_lens, query_start_loc, scale, preset, out=out)
-    starts, lengths, dense, whole = planned
-    varlen = find_varlen() if find_varlen is not None else None
-    # rows past query_start_loc[-1] (padding) stay zero, as the reference's
-    out = torch.zeros_like(query) if out is None else out.zero_()
-    short = sorted(set(range(seq_lens.shape[0])) - set(dense) - set(whole))
-    if short:
-        if short == list(range(len(short))):  # vLLM's order: decodes first, so usually a plain prefix
-            rows = slice(0, starts[len(short)])
-            decode(query[rows], kv_cache, block_table[: len(short)], seq_lens[: len(short)],
-                   query_start_loc[: len(short) + 1], scale, preset, out=out[rows])
-        else:
-            index = torch.cat([torch.arange(starts[b], starts[b + 1]) for b in short]).to(query.device)
-            counts = torch.tensor([0] + [starts[b + 1] - starts[b] for b in short]).cumsum(0)
-            picked = torch.tensor(short, device=query.device)
-            out[index] = decode(query[index], kv_cache, block_table[picked], seq_lens[picked],
-                                counts.to(query_start_loc.device, query_start_loc.dtype), scale, preset)
-    if dense:
-        dense_attention(query, kv_cache, block_table, lengths, starts, scale, preset, dense, out,
-                        decode=dense_decode or codec_decode, varlen=varlen)
-    if whole:
-        whole_prompt_attention(query, key, value, starts, scale, whole, out, varlen=varlen)
-    return out
-
-
 def _consecutive(seqs: list[int]) -> bool:
     """Whether ``seqs`` are consecutive sequence indices (vLLM puts prefills last): one slice of the block
     table's rows and of the query's."""
@@ -234,3 +199,38 @@ def whole_prompt_attention(query, key, value, starts: list[int], scale: float, s
         q, k, v = (t[starts[b] : starts[b + 1]].transpose(0, 1).unsqueeze(0) for t in (query, key, value))
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
         out[starts[b] : starts[b + 1]] = o[0].transpose(0, 1).to(out.dtype)
+
+
+def serve(query, kv_cache, block_table, seq_lens, query_start_loc, scale: float, preset: Preset, key, value, out,
+          *, decode, dense_decode=codec_decode, find_varlen=None) -> torch.Tensor:
+    """A backend's attention for any batch: ``decode`` (the backend's decode path, with ``attention``'s arguments
+    and ``out``) for every row, except whole prompts (given the step's ``key`` and ``value``:
+    :func:`whole_prompt_attention`) and sequences with more than DENSE_MIN_NEW_TOKENS new tokens
+    (:func:`dense_attention`, their keys and values by ``dense_decode``, :func:`codec_decode` unless given).
+    ``find_varlen()``: a FlashAttention varlen function for both, or None (SDPA); asked only when a prefill path
+    runs (a pure decode batch looks nothing up). Writes into ``out`` where given."""
+    planned = plan(query_start_loc, seq_lens, query.shape[0], whole_prompts=key is not None)
+    if planned is None:
+        return decode(query, kv_cache, block_table, seq_lens, query_start_loc, scale, preset, out=out)
+    starts, lengths, dense, whole = planned
+    varlen = find_varlen() if find_varlen is not None else None
+    # rows past query_start_loc[-1] (padding) stay zero, as the reference's
+    out = torch.zeros_like(query) if out is None else out.zero_()
+    short = sorted(set(range(seq_lens.shape[0])) - set(dense) - set(whole))
+    if short:
+        if short == list(range(len(short))):  # vLLM's order: decodes first, so usually a plain prefix
+            rows = slice(0, starts[len(short)])
+            decode(query[rows], kv_cache, block_table[: len(short)], seq_lens[: len(short)],
+                   query_start_loc[: len(short) + 1], scale, preset, out=out[rows])
+        else:
+            index = torch.cat([torch.arange(starts[b], starts[b + 1]) for b in short]).to(query.device)
+            counts = torch.tensor([0] + [starts[b + 1] - starts[b] for b in short]).cumsum(0)
+            picked = torch.tensor(short, device=query.device)
+            out[index] = decode(query[index], kv_cache, block_table[picked], seq_lens[picked],
+                                counts.to(query_start_loc.device, query_start_loc.dtype), scale, preset)
+    if dense:
+        dense_attention(query, kv_cache, block_table, lengths, starts, scale, preset, dense, out,
+                        decode=dense_decode, varlen=varlen)
+    if whole:
+        whole_prompt_attention(query, key, value, starts, scale, whole, out, varlen=varlen)
+    return out

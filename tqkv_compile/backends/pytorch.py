@@ -14,29 +14,17 @@ where the Triton backend is not (no triton, or a preset its kernels do not read)
 
 from __future__ import annotations
 
-import torch
-
 from tqkv_compile.backends import prefill
 from tqkv_compile.backends.reference import ReferenceBackend
 from tqkv_compile.codec import Preset
 
 
-class PyTorchBackend:
+class PyTorchBackend(ReferenceBackend):
+    """The reference's kv_write, kv_dot and decode; its attention routed by :func:`prefill.serve`."""
+
     name = "pytorch"
-
-    def __init__(self) -> None:
-        self._reference = ReferenceBackend()
-
-    def supports(self, device: torch.device) -> bool:
-        return True
-
-    def kv_write(self, key, value, kv_cache, slot_mapping, preset: Preset) -> None:
-        self._reference.kv_write(key, value, kv_cache, slot_mapping, preset)
 
     def attention(self, query, kv_cache, block_table, seq_lens, query_start_loc, scale, preset: Preset, key=None,
                   value=None, out=None):
         return prefill.serve(query, kv_cache, block_table, seq_lens, query_start_loc, scale, preset, key, value,
-                             out, decode=self._reference.attention)
-
-    def kv_dot(self, query, kv_cache, block_table, seq_lens, scale, preset: Preset):
-        return self._reference.kv_dot(query, kv_cache, block_table, seq_lens, scale, preset)
+                             out, decode=super().attention)
