@@ -554,22 +554,28 @@ if gluon is not None:
     @gluon.jit
     def _value_pairs(words):
         """int32 words (low 16 bits: four 4-bit codes) of two consecutive positions (pack=2: $4, $5) -> four
-        fp16 pair tensors, nibble i of both words: 1024 + code (i even) or 1024 + 16 code (i odd), exact. Two
-        byte permutes put a byte of each word in the low byte of an fp16 half; lop3 keeps one nibble and ors
-        the exponent of 1024."""
+        fp16 pair tensors, nibble i of both words: code * 2^-24 (i even) or 16 code * 2^-24 (i odd), exact
+        (fp16 subnormals: ``triton_attention._codes_f16`` says why). Two byte permutes put a byte of each word
+        in the low byte of an fp16 half; an and keeps one nibble."""
         return gl.inline_asm_elementwise(
             """{
             .reg .b32 x, y;
             prmt.b32 x, $4, $5, 0x0400;
             prmt.b32 y, $4, $5, 0x0501;
-            lop3.b32 $0, x, 0x000F000F, 0x64006400, 0xEA;
-            lop3.b32 $1, x, 0x00F000F0, 0x64006400, 0xEA;
-            lop3.b32 $2, y, 0x000F000F, 0x64006400, 0xEA;
-            lop3.b32 $3, y, 0x00F000F0, 0x64006400, 0xEA;
+            and.b32 $0, x, 0x000F000F;
+            and.b32 $1, x, 0x00F000F0;
+            and.b32 $2, y, 0x000F000F;
+            and.b32 $3, y, 0x00F000F0;
             }""",
             "=r,=r,=r,=r,r,r",
             [words],
             dtype=(gl.float16, gl.float16, gl.float16, gl.float16), is_pure=True, pack=2)
+
+    @gluon.jit
+    def _fma(a, b, c):
+        """a * b + c in fp32, rounded once to nearest (an asm fma: nothing folds the product's mma into it)."""
+        return gl.inline_asm_elementwise("fma.rn.f32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c], dtype=gl.float32,
+                                         is_pure=True, pack=1)
 
     @gluon.jit
     def _word(halves):
@@ -849,8 +855,8 @@ if gluon is not None:
         m_i = gl.full([8], float("-inf"), gl.float32, layout=COLS)
         l_acc = gl.full([BLOCK, 8], 0.0, gl.float32, layout=MMA)  # sums over positions, kept per position
         z_acc = gl.full([BLOCK, 8], 0.0, gl.float32, layout=MMA)
-        ps_acc = gl.full([BLOCK, 8], 0.0, gl.float32, layout=MMA)
         acc = gl.full([D, 8], 0.0, gl.float32, layout=MMA)  # transposed: [dimension, query head]
+        zeros = gl.full([D, 8], 0.0, gl.float32, layout=MMA)
         bt_row = block_table_ptr + seq.to(gl.int64) * s_bt
         head_base = kv_head * h_head
         kg = gl.arange(0, 4, layout=gl.SliceLayout(1, KEY_SLOTS))
@@ -937,15 +943,15 @@ if gluon is not None:
             ps = (p * vscale[:, None]).to(gl.float16)
             l_acc = l_acc * alpha[None, :] + p
             z_acc = z_acc * alpha[None, :] + p * vzero[:, None]
-            ps_acc = ps_acc * alpha[None, :] + ps.to(gl.float32)
 
-            # ---- values: acc^T [D, 8] += V^T . (P * scale)^T, codes as fp16 1024 + f code
+            # ---- values: acc^T [D, 8] += V^T . (P * scale)^T, codes as fp16 f code * 2^-24
             v0, v1, v2, v3 = _value_pairs(vf)
             y = gl.join(gl.join(v0, v1), gl.join(v2, v3))  # [64, word, r1, i // 2]
             y = gl.reshape(y, [BLOCK, 4, 8, VJ, 2, 2])  # [pos, w, l // 4, j, r1, i // 2]
             y = gl.reshape(gl.permute(y, (3, 5, 1, 4, 2, 0)), [D, BLOCK])  # [j, i // 2, w, r1, l // 4, pos]
             values = gl.convert_layout(y, A_OP, assert_trivial=True)
-            acc = mma_v2(values, gl.convert_layout(ps, B_OP), acc * alpha[None, :])
+            # the tile's P.V from zero, added in fp32 (triton_attention's stream kernel says why)
+            acc = _fma(acc, alpha[None, :], mma_v2(values, gl.convert_layout(ps, B_OP), zeros))
             if PREFETCH == 2:
                 kw, vw, fields = kw_next, vw_next, fields_next
             if PREFETCH >= 1:
@@ -954,10 +960,9 @@ if gluon is not None:
         l_i = gl.sum(l_acc, axis=0)
         inv = 1.0 / l_i
         zsum = gl.sum(z_acc, axis=0)
-        psum = gl.sum(ps_acc, axis=0)
         sv = gl.load(value_order_ptr + gl.arange(0, D, layout=ROWS))
         f = gl.where((sv & 1) == 1, 1.0 / 16.0, 1.0)  # high nibbles came out as 16 x code
-        out = (acc - 1024.0 * psum[None, :]) * (f[:, None] * inv[None, :]) + (zsum * inv)[None, :]
+        out = acc * ((f * 16777216.0)[:, None] * inv[None, :]) + (zsum * inv)[None, :]  # 2^24: the codes' unit
         gl.store(part_out_ptr + part[None, :] * D + sv[:, None], out, mask=head_ok[None, :])
         gl.store(part_lse_ptr + part, m_i + gl.log2(l_i), mask=head_ok)
 

@@ -101,11 +101,25 @@ def _load_codes3(cache_ptr, base, valid, s_byte, D: tl.constexpr):
     return ((lo | (hi << 8)) >> shift[None, :]) & 7
 
 
+# Value codes enter the P.V dot as fp16 *subnormals*: the bits of code c read as fp16 are c * 2^-24, exactly,
+# with no conversion instruction, and the accumulator holds only the signal; the 2^24 comes out once per program.
+# (An offset encoding such as fp16 1024 + c, subtracted after the loop, makes the accumulator ~100x larger than
+# its signal and loses it over long splits: docs/kernels.md, "Long-context error".)
+
+
 @triton.jit
 def _codes_f16(codes):
-    """int32 codes in [0, 1024) -> fp16 1024 + code, exactly, by placing them in fp16's 1024 binade
-    (an OR instead of an int-to-float conversion); callers subtract the 1024."""
-    return (codes | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
+    """int32 codes in [0, 1024) -> fp16 code * 2^-24, exactly (the code's bits read as an fp16 subnormal);
+    callers multiply by 2^24 after the dot."""
+    return codes.to(tl.int16).to(tl.float16, bitcast=True)
+
+
+@triton.jit
+def _operand(x, DTYPE: tl.constexpr, OPERAND: tl.constexpr = tl.float16):
+    """A dot operand as the GPU's dot takes it: rounded to OPERAND (the attention kernels' fp16; kv_dot's fp32),
+    then in DTYPE (fp32 when interpreted: the interpreter's fp16 dots are wrong, so it upcasts, but only after
+    the GPU's rounding, so that interpreted tests see the GPU's numerics; on the GPU this is no instruction)."""
+    return x.to(OPERAND).to(DTYPE)
 
 
 @triton.jit
@@ -118,7 +132,8 @@ def _load_fp16(cache_ptr, addr, valid):
 
 @triton.jit
 def _load_query(q_ptr, row, q_heads, head_ok, s_qt, s_qh, s_qd,
-                D: tl.constexpr, KEY_FP8: tl.constexpr, KEY_BITS: tl.constexpr, DTYPE: tl.constexpr):
+                D: tl.constexpr, KEY_FP8: tl.constexpr, KEY_BITS: tl.constexpr, DTYPE: tl.constexpr,
+                OPERAND: tl.constexpr):
     """The query group [BLOCK_H, ...] in the column order the key tiles use: (q, q) for fp8 keys (natural
     order; the second is unused), (even, odd) coordinates for 4-bit keys, (:func:`_order3`, unused) for 3-bit."""
     rows = q_ptr + row * s_qt + q_heads[:, None] * s_qh
@@ -132,16 +147,17 @@ def _load_query(q_ptr, row, q_heads, head_ok, s_qt, s_qh, s_qd,
     else:
         first = tl.load(rows + _order3(D)[None, :] * s_qd, mask=head_ok[:, None], other=0.0)
         second = first
-    return first.to(DTYPE), second.to(DTYPE)
+    return _operand(first, DTYPE, OPERAND), _operand(second, DTYPE, OPERAND)
 
 
 @triton.jit
 def _key_scores(q_a, q_b, cache_ptr, cent_ptr, base, valid, s_byte,
                 D: tl.constexpr, KEY_FP8: tl.constexpr, KEY_BITS: tl.constexpr, KEY_CODE_BYTES: tl.constexpr,
                 NORM_CORRECTION: tl.constexpr, DTYPE: tl.constexpr,
-                PRECISION: tl.constexpr):
+                PRECISION: tl.constexpr, OPERAND: tl.constexpr):
     """Scores [BLOCK_H, BLOCK_N] = <q, k> of the query group (from :func:`_load_query`) against BLOCK_N keys
-    read straight from their slots; the query is already rotated (Lloyd-Max keys) and scaled."""
+    read straight from their slots; the query is already rotated (Lloyd-Max keys) and scaled. Operands are
+    rounded to OPERAND (see :func:`_operand`), the dots run in DTYPE at PRECISION."""
     if KEY_FP8:
         raw = tl.load(cache_ptr + base[:, None] + tl.arange(0, D)[None, :] * s_byte, mask=valid[:, None], other=0)
         keys = raw.to(tl.float8e4nv, bitcast=True).to(DTYPE)
@@ -151,13 +167,13 @@ def _key_scores(q_a, q_b, cache_ptr, cent_ptr, base, valid, s_byte,
             even, odd = _load_nibbles(cache_ptr, base, valid, s_byte, D)
             c_even = _centroids(even, cent_ptr, 4)
             c_odd = _centroids(odd, cent_ptr, 4)
-            scores = tl.dot(q_a, tl.trans(c_even.to(DTYPE)), input_precision=PRECISION)
-            scores = tl.dot(q_b, tl.trans(c_odd.to(DTYPE)), scores, input_precision=PRECISION)
+            scores = tl.dot(q_a, tl.trans(_operand(c_even, DTYPE, OPERAND)), input_precision=PRECISION)
+            scores = tl.dot(q_b, tl.trans(_operand(c_odd, DTYPE, OPERAND)), scores, input_precision=PRECISION)
             if NORM_CORRECTION:
                 sumsq = tl.sum(c_even * c_even, axis=1) + tl.sum(c_odd * c_odd, axis=1)
         else:
             cent = _centroids(_load_codes3(cache_ptr, base, valid, s_byte, D), cent_ptr, 3)
-            scores = tl.dot(q_a, tl.trans(cent.to(DTYPE)), input_precision=PRECISION)
+            scores = tl.dot(q_a, tl.trans(_operand(cent, DTYPE, OPERAND)), input_precision=PRECISION)
             if NORM_CORRECTION:
                 sumsq = tl.sum(cent * cent, axis=1)
         factor = _load_fp16(cache_ptr, base + KEY_CODE_BYTES * s_byte, valid)
@@ -271,7 +287,8 @@ def _decode_split_kernel(
         tl.store(part_lse_ptr + part, tl.full((BLOCK_H,), float("-inf"), tl.float32), mask=head_ok)
         return
 
-    q_a, q_b = _load_query(q_ptr, row, q_heads, head_ok, s_qt, s_qh, s_qd, D, KEY_FP8, KEY_BITS, DTYPE)
+    q_a, q_b = _load_query(q_ptr, row, q_heads, head_ok, s_qt, s_qh, s_qd, D, KEY_FP8, KEY_BITS, DTYPE,
+                           tl.float16)
     m_i = tl.full((BLOCK_H,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_H,), tl.float32)
     # Value accumulators: (even, odd) coordinates for 4-bit values, _order3 columns for 3-bit (b unused).
@@ -281,33 +298,35 @@ def _decode_split_kernel(
     else:
         acc_a = tl.zeros((BLOCK_H, D), tl.float32)
         acc_b = tl.zeros((BLOCK_H, 16), tl.float32)
-    shift = tl.zeros((BLOCK_H,), tl.float32)  # sum of P * (zero - 1024 * scale): the affine part of P.V
+    shift = tl.zeros((BLOCK_H,), tl.float32)  # sum of P * zero: the affine part of P.V
     bt_row = block_table_ptr + seq.to(tl.int64) * s_bt
     n = tl.arange(0, BLOCK_N)
     for start in range(begin, end, BLOCK_N):
         base, valid = _tile_base(bt_row, s_bm, start, end, n, kv_head, s_blk, s_pos, s_head, BLOCK_SIZE, False)
 
         scores = _key_scores(q_a, q_b, cache_ptr, cent_ptr, base, valid, s_byte, D, KEY_FP8, KEY_BITS,
-                             KEY_CODE_BYTES, NORM_CORRECTION, DTYPE, "ieee" if DOT_FP32 else None)
+                             KEY_CODE_BYTES, NORM_CORRECTION, DTYPE, "ieee" if DOT_FP32 else None, tl.float16)
         scores = tl.where(valid[None, :], scores, float("-inf"))
         p, alpha, m_i, l_i = _softmax_step(scores, m_i, l_i)
 
         vbase = base + VALUE_OFFSET * s_byte
         vscale = _load_fp16(cache_ptr, vbase + VALUE_CODE_BYTES * s_byte, valid)
         vzero = _load_fp16(cache_ptr, vbase + (VALUE_CODE_BYTES + 2) * s_byte, valid)
-        ps = (p * vscale[None, :]).to(DTYPE)
-        # codes enter the dot as 1024 + code; take 1024 * sum(P * scale) back out with the zero point
-        shift = shift * alpha + tl.sum(p * vzero[None, :], axis=1) - 1024.0 * tl.sum(ps.to(tl.float32), axis=1)
+        ps = _operand(p * vscale[None, :], DTYPE)
+        # codes enter the dot as code * 2^-24 (:func:`_codes_f16`); the zero point beside it, in fp32
+        shift = shift * alpha + tl.sum(p * vzero[None, :], axis=1)
         if VALUE_BITS == 4:
             even, odd = _load_nibbles(cache_ptr, vbase, valid, s_byte, D)
-            acc_a = tl.dot(ps, _codes_f16(even).to(DTYPE), acc_a * alpha[:, None])
-            acc_b = tl.dot(ps, _codes_f16(odd).to(DTYPE), acc_b * alpha[:, None])
+            # each tile's dot from zero, added in fp32 (_decode_stream_kernel says why)
+            acc_a = tl.fma(acc_a, alpha[:, None], tl.dot(ps, _codes_f16(even).to(DTYPE)))
+            acc_b = tl.fma(acc_b, alpha[:, None], tl.dot(ps, _codes_f16(odd).to(DTYPE)))
         else:
             codes = _load_codes3(cache_ptr, vbase, valid, s_byte, D)
-            acc_a = tl.dot(ps, _codes_f16(codes).to(DTYPE), acc_a * alpha[:, None])
+            acc_a = tl.fma(acc_a, alpha[:, None], tl.dot(ps, _codes_f16(codes).to(DTYPE)))
 
     inv = 1.0 / l_i
     shift = shift * inv
+    inv = inv * 16777216.0  # 2^24: the codes' unit (_codes_f16)
     rows_out = part_out_ptr + part[:, None] * D
     if VALUE_BITS == 4:
         i = tl.arange(0, D // 2)
@@ -325,9 +344,10 @@ def _centroids_sym16(code, cent_ptr, OUT: tl.constexpr):
     upper = code >= 8
     folded = tl.where(upper, 15 - code, code)
     ty: tl.constexpr = OUT
-    mag = _select8(folded, tl.load(cent_ptr + 0).to(ty), tl.load(cent_ptr + 1).to(ty), tl.load(cent_ptr + 2).to(ty),
-                   tl.load(cent_ptr + 3).to(ty), tl.load(cent_ptr + 4).to(ty), tl.load(cent_ptr + 5).to(ty),
-                   tl.load(cent_ptr + 6).to(ty), tl.load(cent_ptr + 7).to(ty))
+    mag = _select8(folded, _operand(tl.load(cent_ptr + 0), ty), _operand(tl.load(cent_ptr + 1), ty),
+                   _operand(tl.load(cent_ptr + 2), ty), _operand(tl.load(cent_ptr + 3), ty),
+                   _operand(tl.load(cent_ptr + 4), ty), _operand(tl.load(cent_ptr + 5), ty),
+                   _operand(tl.load(cent_ptr + 6), ty), _operand(tl.load(cent_ptr + 7), ty))
     return tl.where(upper, -mag, mag)
 
 
@@ -431,18 +451,18 @@ def _lut4_fp16(words, lut_ptr):
 @triton.jit
 def _codes4_fp16_odd16(words):
     """int32 [N, W] holding four 4-bit uniform codes each (low 16 bits, little-endian) -> fp16 [N, 4 W] in
-    natural order: 1024 + code in even columns, 1024 + 16 * code in odd ones (both exact), by two byte
-    permutes and two lop3 per four codes (PTX; GPU only). A code byte's two nibbles go to the two halves of
-    an fp16 pair as they are, the high one 4 bits up: that is the factor 16, which the caller takes out of
-    the odd columns once per program instead of shifting every code (:func:`_odd16_codes` is the same
-    without asm). Emulated bit-exactly in Python for all 2^16 words."""
+    natural order: code * 2^-24 in even columns, 16 * code * 2^-24 in odd ones (fp16 subnormals, exact; see
+    :func:`_codes_f16`), by two byte permutes and two ands per four codes (PTX; GPU only). A code byte's two
+    nibbles go to the two halves of an fp16 pair as they are, the high one 4 bits up: that is the factor 16,
+    which the caller takes out of the odd columns once per program instead of shifting every code
+    (:func:`_odd16_codes` is the same without asm). Emulated bit-exactly in Python for all 2^16 words."""
     low, high = tl.inline_asm_elementwise(
         """{
         .reg .b32 x, y;
         prmt.b32 x, $2, 0, 0x4040;
         prmt.b32 y, $2, 0, 0x4141;
-        lop3.b32 $0, x, 0x00F0000F, 0x64006400, 0xEA;
-        lop3.b32 $1, y, 0x00F0000F, 0x64006400, 0xEA;
+        and.b32 $0, x, 0x00F0000F;
+        and.b32 $1, y, 0x00F0000F;
         }""",
         "=r,=r,r,r",
         [tl.join(words, words)],  # pack=2: both copies of a word reach the asm, it reads the first
@@ -452,7 +472,7 @@ def _codes4_fp16_odd16(words):
 
 @triton.jit
 def _odd16_codes(codes, D: tl.constexpr):
-    """int32 codes [N, D] in [0, 16) -> fp16 1024 + code (even columns), 1024 + 16 * code (odd columns):
+    """int32 codes [N, D] in [0, 16) -> fp16 code * 2^-24 (even columns), 16 * code * 2^-24 (odd columns):
     what :func:`_codes4_fp16_odd16` returns, without asm."""
     return _codes_f16(codes << ((tl.arange(0, D) & 1) * 4)[None, :])
 
@@ -509,8 +529,10 @@ def _codes3(x, k: tl.constexpr):
 def _centroids3x4(x, cent_ptr, DTYPE: tl.constexpr):
     """The four 3-bit codes in the low 12 bits of x -> their centroids in DTYPE, by a select tree (the
     interpreter's path of :func:`_keys3`)."""
-    return (_centroids(_codes3(x, 0), cent_ptr, 3).to(DTYPE), _centroids(_codes3(x, 1), cent_ptr, 3).to(DTYPE),
-            _centroids(_codes3(x, 2), cent_ptr, 3).to(DTYPE), _centroids(_codes3(x, 3), cent_ptr, 3).to(DTYPE))
+    return (_operand(_centroids(_codes3(x, 0), cent_ptr, 3), DTYPE),
+            _operand(_centroids(_codes3(x, 1), cent_ptr, 3), DTYPE),
+            _operand(_centroids(_codes3(x, 2), cent_ptr, 3), DTYPE),
+            _operand(_centroids(_codes3(x, 3), cent_ptr, 3), DTYPE))
 
 
 @triton.jit
@@ -532,14 +554,14 @@ def _keys3(words, lut_ptr, cent_ptr, ASM: tl.constexpr, DTYPE: tl.constexpr):
 
 @triton.jit
 def _codes3x4_f16(x):
-    """The four 3-bit codes in the low 12 bits of x -> fp16 1024 + code each (exact)."""
+    """The four 3-bit codes in the low 12 bits of x -> fp16 code * 2^-24 each (exact)."""
     return (_codes_f16(_codes3(x, 0)), _codes_f16(_codes3(x, 1)), _codes_f16(_codes3(x, 2)),
             _codes_f16(_codes3(x, 3)))
 
 
 @triton.jit
 def _values3_f16(words):
-    """3-bit uniform value codes (a THIRDS tile) -> fp16 1024 + code [N, D] in natural order (exact)."""
+    """3-bit uniform value codes (a THIRDS tile) -> fp16 code * 2^-24 [N, D] in natural order (exact)."""
     x0, x1, x2, x3 = _quads3(words)
     a0, a1, a2, a3 = _codes3x4_f16(x0)
     b0, b1, b2, b3 = _codes3x4_f16(x1)
@@ -597,7 +619,7 @@ def _stream_query(q_ptr, signs_ptr, row, q_heads, head_ok, s_qt, s_qh, s_qd, D: 
             acc = tl.dot(x.to(DTYPE), h.to(DTYPE), acc, input_precision=PRECISION)
     else:
         acc = tl.load(rows + d[None, :] * s_qd, mask=head_ok[:, None], other=0.0).to(tl.float32) * Q_PRE
-    return (acc * Q_POST).to(DTYPE)
+    return _operand(acc * Q_POST, DTYPE)
 
 
 @triton.jit
@@ -669,14 +691,13 @@ def _decode_stream_kernel(
     else:
         q = tl.load(q_ptr + row * s_qt + q_heads[:, None] * s_qh + d[None, :] * s_qd, mask=head_ok[:, None],
                     other=0.0)
-        q = q.to(DTYPE)
+        q = _operand(q, DTYPE)
     if NORM_CORRECTION:
         ones = tl.full((D, BLOCK_H), 1.0, DTYPE)
     m_i = tl.full((BLOCK_H,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_H,), tl.float32)
     acc = tl.zeros((D, BLOCK_H), tl.float32)  # transposed: the query group is the dots' N side
     zsum = tl.zeros((BLOCK_H,), tl.float32)  # sum of P * zero: the affine part of P.V
-    psum = tl.zeros((BLOCK_H,), tl.float32)  # sum of P * scale as rounded for the dot: takes the 1024 back out
     bt_row = block_table_ptr + seq.to(tl.int64) * s_bt
     n = tl.arange(0, BLOCK_N)
 
@@ -714,26 +735,29 @@ def _decode_stream_kernel(
                 cent = _centroids_sym16(_unpack(kw, 4, KEY_WORD), cent_ptr, DTYPE)  # the table in DTYPE, selected
             scores = tl.dot(cent, tl.trans(q), input_precision=PRECISION)
             if NORM_CORRECTION:  # ||c||^2 by a dot with ones: on the tensor cores, in the scores' layout
-                sumsq = tl.dot((cent * cent).to(DTYPE), ones, input_precision=PRECISION)
+                sumsq = tl.dot(_operand(cent * cent, DTYPE), ones, input_precision=PRECISION)
                 scores = scores * (knorm[:, None] / tl.sqrt(sumsq + 1e-16))
             else:
                 scores = scores * knorm[:, None]
         scores = tl.where(valid[:, None], scores, float("-inf"))
         p, alpha, m_i, l_i = _softmax_step(scores, m_i, l_i, 0)
 
-        # ---- values: P.V = (P * scale) . code + P . zero, the codes as fp16 1024 + f * code with f = 1 in even
-        # columns and 16 in odd ones (the cheapest exact unpacking); the 1024 and f come out after the loop.
+        # ---- values: P.V = (P * scale) . code + P . zero, the codes as fp16 f * code * 2^-24 with f = 1 in even
+        # columns and 16 in odd ones (the cheapest exact unpacking); 2^-24 and f come out after the loop.
         # acc^T [D, BLOCK_H] += V^T . (P * scale)^T
-        ps = (p * vscale[:, None]).to(DTYPE)
+        ps = _operand(p * vscale[:, None], DTYPE)
         zsum = zsum * alpha + tl.sum(p * vzero[:, None], axis=0)
-        psum = psum * alpha + tl.sum(ps.to(tl.float32), axis=0)
         if VALUE_BITS == 3:
             vcodes = _values3_f16(vw).to(DTYPE)
         elif ASM:
             vcodes = _codes4_fp16_odd16(vw)
         else:
             vcodes = _odd16_codes(_unpack(vw, 4, VALUE_WORD), D).to(DTYPE)
-        acc = tl.dot(tl.trans(vcodes), ps, acc * alpha[None, :], input_precision=PRECISION)
+        # each tile's P.V from a zero accumulator, added to acc in fp32 (an FMA with the rescale, as the multiply
+        # was): the tensor cores' accumulation does not round to nearest, and carried over a whole split its
+        # loss grows with the tiles, then shows through the code / zero-point cancellation (docs/kernels.md).
+        # (tl.fma, not +: Triton folds dot(a, b, 0) + c back into dot(a, b, c).)
+        acc = tl.fma(acc, alpha[None, :], tl.dot(tl.trans(vcodes), ps, input_precision=PRECISION))
 
         if PREFETCH:
             kw, vw, vscale, vzero, knorm = kw_n, vw_n, vscale_n, vzero_n, knorm_n
@@ -750,7 +774,7 @@ def _decode_stream_kernel(
         f = tl.full((D,), 1.0, tl.float32)
     else:
         f = tl.where((d & 1) == 1, 1.0 / 16.0, 1.0)  # exact: a power of two
-    out = (acc - 1024.0 * psum[None, :]) * (f[:, None] * inv[None, :]) + (zsum * inv)[None, :]
+    out = acc * ((f * 16777216.0)[:, None] * inv[None, :]) + (zsum * inv)[None, :]  # 2^24: the codes' unit
     tl.store(part_out_ptr + part[None, :] * D + d[:, None], out, mask=head_ok[None, :])
     tl.store(part_lse_ptr + part, m_i + tl.log2(l_i), mask=head_ok)
 

@@ -121,12 +121,12 @@ def _run_asm(fn, words: np.ndarray, tables: list[int] = ()) -> list[np.ndarray]:
     return [h.astype(np.uint16).view(np.float16) for h in halves]
 
 
-def test_uniform_code_unpacking_gives_1024_plus_code_and_16_code_in_odd_columns():
+def test_uniform_code_unpacking_gives_code_and_16_code_in_odd_columns_as_exact_subnormals():
     words = np.arange(1 << 16, dtype=np.uint32)
     got = _run_asm(triton_attention._codes4_fp16_odd16, words)
     for k in range(4):
         code = (words >> (4 * k)) & 0xF
-        want = 1024 + code * (16 if k % 2 else 1)
+        want = code * (16 if k % 2 else 1) * 2.0**-24
         np.testing.assert_array_equal(got[k].astype(np.float64), want)
 
 

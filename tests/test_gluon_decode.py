@@ -104,9 +104,10 @@ def test_key_table_lookup_reads_each_words_pairs_from_the_lanes_copy(copies):
     assert worst == 1 if copies == 32 else worst <= 4, worst
 
 
-def test_value_unpacking_pairs_two_positions_codes_as_1024_plus_f_code():
+def test_value_unpacking_pairs_two_positions_codes_as_f_code_subnormals():
     """_value_pairs: the words of positions p ($4) and p + 1 ($5) -> output i holds nibble i of both (p low),
-    as fp16 1024 + code (i even) or 1024 + 16 code (i odd), exact; over 2^16 words each side, shuffled."""
+    as fp16 code * 2^-24 (i even) or 16 code * 2^-24 (i odd), exact, with no offset to cancel later; over 2^16
+    words each side, shuffled."""
     rng = np.random.default_rng(0)
     first = np.arange(1 << 16, dtype=np.uint32)
     second = rng.permutation(first)
@@ -114,8 +115,8 @@ def test_value_unpacking_pairs_two_positions_codes_as_1024_plus_f_code():
     for i in range(4):
         f = 16 if i % 2 else 1
         lo, hi = _halves(regs[f"${i}"])
-        np.testing.assert_array_equal(lo.astype(np.float64), 1024 + f * ((first >> (4 * i)) & 0xF))
-        np.testing.assert_array_equal(hi.astype(np.float64), 1024 + f * ((second >> (4 * i)) & 0xF))
+        np.testing.assert_array_equal(lo.astype(np.float64), f * ((first >> (4 * i)) & 0xF) * 2.0**-24)
+        np.testing.assert_array_equal(hi.astype(np.float64), f * ((second >> (4 * i)) & 0xF) * 2.0**-24)
 
 
 @pytest.mark.parametrize("dim", [128, 256])

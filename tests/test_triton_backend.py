@@ -313,10 +313,12 @@ def test_vllm_without_flash_attention_gives_none_not_an_error():
 
 @pytest.mark.parametrize("preset_name", ["turboquant_4bit_nc", "turboquant_k8v4"])
 @pytest.mark.parametrize("dense", [[1, 3], [2, 3]])
-def test_dense_path_in_one_varlen_call_matches_reference(preset_name, dense):
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_dense_path_in_one_varlen_call_matches_reference(preset_name, dense, dtype):
     """With a FlashAttention varlen function (vLLM's on CUDA) the dense sequences go in one call: rows gathered
-    (or one slice when contiguous, written in place), cumulative lengths, the query in the stored basis with its
-    scale (bf16: the signs GEMM), causal aligned bottom-right for a continuation chunk."""
+    (or one slice when contiguous, written in place where the dense dtype is the output's: fp16 queries), cumulative
+    lengths, the query in the stored basis, causal aligned bottom-right for a continuation chunk; bf16 queries
+    attend in fp16 (prefill.dense_dtype) and are copied back."""
     from tqkv_compile.backends import prefill
 
     preset = get_preset(preset_name, 64)
@@ -325,7 +327,7 @@ def test_dense_path_in_one_varlen_call_matches_reference(preset_name, dense):
         new, lengths = [1, 1, 140, 150], [30, 45, 140, 200]
     cache, table, seq_lens = _filled_cache(preset, lengths, seed=3)
     starts = [0, *torch.tensor(new).cumsum(0).tolist()]
-    query = torch.randn(starts[-1], KV_HEADS * 4, 64, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    query = torch.randn(starts[-1], KV_HEADS * 4, 64, generator=torch.Generator().manual_seed(4)).to(dtype)
     scale = 64**-0.5
     calls = []
 
@@ -337,8 +339,8 @@ def test_dense_path_in_one_varlen_call_matches_reference(preset_name, dense):
     prefill.dense_attention(query, cache, table, lengths, starts, scale, preset, dense, out, varlen=varlen)
     expected = get_backend("reference").attention(query, cache, table, seq_lens, torch.tensor(starts), scale, preset)
     rows = torch.cat([torch.arange(starts[b], starts[b + 1]) for b in dense])
-    assert calls == [dense == [2, 3]]
-    torch.testing.assert_close(out[rows].float(), expected[rows].float(), **_tolerance(torch.bfloat16))
+    assert calls == [dense == [2, 3] and dtype == torch.float16]
+    torch.testing.assert_close(out[rows].float(), expected[rows].float(), **_tolerance(dtype))
     others = torch.ones(out.shape[0], dtype=torch.bool)
     others[rows] = False
     assert not out[others].any()  # the other sequences' rows are left alone

@@ -6,7 +6,9 @@ importable (on the GPU host: the vLLM 0.20 bundle, see ``shared/gpu/README.md``)
 way ``shared/gpu/baselines/decode_kernels_vllm020.py`` does.
 
     python -m tqkv_compile.bench_kernels --out bench/results/h200-kernels.json --plot bench/results/h200-kernels.png
-    python -m tqkv_compile.bench_kernels --check      # Triton backend vs the reference on this GPU
+    python -m tqkv_compile.bench_kernels --check --out bench/results/h100-kernels-check.json
+        # every kernel vs exact attention over the codec's decode (tqkv_compile.kernel_check), then the Triton
+        # backend vs the reference (kv_write bytes, cache views, prefill)
 
 Writes a JSON list of records ``{"op", "B", "L", "impl", "preset", "us", "GBps"}`` (kv_write: ``B`` is the
 token count, ``L`` is 0, as issue 4 asks; result files before 2026-12-04 20:40 have it the other way round;
@@ -469,15 +471,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warm-l2", action="store_true",
                         help="replay one block table per decode case (the L2 may hold a small case's cache); default: "
                              "cycle through disjoint ones so that no call finds its blocks in L2, as in an engine")
-    parser.add_argument("--check", action="store_true", help="compare the Triton backend with the reference, then exit")
+    parser.add_argument("--check", action="store_true",
+                        help="every kernel against exact attention over the codec's decode (tqkv_compile.kernel_check; "
+                             "every preset, ours too, unless --presets names some) and the Triton backend against the "
+                             "reference (kv_write bytes, views, prefill); --out writes the oracle's records; then exit")
     parser.add_argument("--dims", default="64,128,256", help="head sizes for --check (default %(default)s)")
+    parser.add_argument("--workers", type=int, default=8, help="--check: processes at a time (default %(default)s)")
+    parser.add_argument("--oracle-only", action="store_true", help="--check: the oracle's matrix alone")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_kernels: needs a CUDA GPU", file=sys.stderr)
         return 2
     presets = [p for p in args.presets.split(",") if p]
     if args.check:
-        return check(presets, [int(d) for d in args.dims.split(",")])
+        return _check_all(argv, args, presets)
     cases = [tuple(int(x) for x in c.split("x")) for c in args.cases.split(",") if c]
     vllm = None if args.no_baselines or args.tune else _vllm()
     records: list[dict] = [_meta(argv)]
@@ -498,6 +505,31 @@ def main(argv: list[str] | None = None) -> int:
     if args.plot:
         plot(records, args.plot)
     return 0
+
+
+def _check_all(argv, args, presets: list[str]) -> int:
+    """``--check``: the oracle's matrix (written to ``--out`` with the run's meta), then the comparisons with the
+    reference backend; 1 where anything failed."""
+    from tqkv_compile import codec, kernel_check
+
+    dims = [int(d) for d in args.dims.split(",")]
+    named = any(a.startswith("--presets") for a in argv)
+    everyone = presets if named else codec.preset_names() + codec.own_preset_names()
+    meta = _meta(argv)
+
+    def save(records: list[dict]) -> None:
+        if args.out:
+            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.out).write_text(json.dumps([meta, *records], indent=1) + "\n")
+
+    records = kernel_check.check_matrix(everyone, dims, workers=args.workers, on_pair=save)
+    failing = [r for r in records if not r.get("ok")]
+    worst = max((r["l2_rel"] for r in records if "l2_rel" in r), default=math.nan)
+    print(f"oracle check: {len(records)} records, {len(failing)} failing, worst l2_rel {worst:.2e}", flush=True)
+    if args.oracle_only:
+        return 1 if failing else 0
+    reference = check([p for p in everyone if codec.get_preset(p, dims[0]).vllm_layout], dims)
+    return 1 if failing or reference else 0
 
 
 def _summary(records: list[dict]) -> None:

@@ -27,7 +27,6 @@ batch has more query rows than sequences, which never happens in a pure decode s
 from __future__ import annotations
 
 import itertools
-import math
 
 import torch
 import torch.nn.functional as F
@@ -112,23 +111,21 @@ def codec_decode(kv_cache: torch.Tensor, slots: torch.Tensor, preset: Preset,
     return keys.to(dtype), values.to(dtype)
 
 
-_SIGNS: dict[tuple[int, str], torch.Tensor] = {}
-
-
 def stored_basis(query: torch.Tensor, preset: Preset, scale: float) -> tuple[torch.Tensor, float]:
-    """(the query in the keys' stored basis, in its dtype; the softmax scale that goes with it). bf16: a GEMM
-    with the Hadamard matrix's signs (+-1, exact in bf16; cuBLAS accumulates in fp32), its 1/sqrt(D)
-    moved into the scale: 16x fewer bytes moved than the fp32 product, on the tensor cores. Other dtypes: the
-    fp32 product (fp16 could overflow without the 1/sqrt(D))."""
+    """(the query in the keys' stored basis, in its dtype; the softmax scale that goes with it): the fp32 product
+    with the rotation, rounded once to the query's dtype."""
     if preset.key_fp8:
         return query, scale
-    dim = preset.head_dim
-    if query.dtype != torch.bfloat16:
-        return (query.float() @ preset.rotation(query.device)).to(query.dtype), scale
-    key = (dim, str(query.device))
-    if key not in _SIGNS:
-        _SIGNS[key] = (preset.rotation(query.device) * math.sqrt(dim)).round().to(torch.bfloat16)
-    return query @ _SIGNS[key], scale / math.sqrt(dim)
+    return (query.float() @ preset.rotation(query.device)).to(query.dtype), scale
+
+
+def dense_dtype(query_dtype: torch.dtype) -> torch.dtype:
+    """The dtype the dense path decodes into and attends in: fp16 for bf16 queries, else the query's. The decoded
+    keys and the rotated query rounded to bf16 (8-bit significands) move peaked logits enough to miss the
+    kernels' tolerance against exact attention (max 3-5% at 20000 positions, H100); fp16's 11 bits keep it. The
+    decoded keys and values fit fp16 (the slots hold their norms, scales and zero points as fp16); a query
+    element past fp16's range (65504) would not."""
+    return torch.float16 if query_dtype == torch.bfloat16 else query_dtype
 
 
 def dense_attention(query, kv_cache, block_table, lengths: list[int], starts: list[int], scale: float,
@@ -138,15 +135,16 @@ def dense_attention(query, kv_cache, block_table, lengths: list[int], starts: li
     flat cache slots into dense keys and values (:func:`codec_decode`, or a kernel with its contract); it runs
     once for all of ``seqs``. ``varlen``: a FlashAttention ``flash_attn_varlen_func``
     (``tqkv_compile.vllm.adapter.flash_attn_varlen``), which then attends every sequence in one call; without
-    it, SDPA per sequence."""
-    keys, values = decode(kv_cache, slot_ids(block_table, seqs, lengths, kv_cache.shape[1]), preset, query.dtype)
+    it, SDPA per sequence. bf16 queries attend in fp16 (:func:`dense_dtype`)."""
+    dtype = dense_dtype(query.dtype)
+    keys, values = decode(kv_cache, slot_ids(block_table, seqs, lengths, kv_cache.shape[1]), preset, dtype)
     if varlen is not None:
         news = [starts[b + 1] - starts[b] for b in seqs]
         rows = _query_rows(seqs, starts, query.device)
-        q, q_scale = stored_basis(query[rows], preset, scale)
+        q, q_scale = stored_basis(query[rows].to(dtype), preset, scale)
         cu = torch.tensor([0, *itertools.accumulate(news), 0, *itertools.accumulate(lengths[b] for b in seqs)],
                           dtype=torch.int32, device=query.device).view(2, -1)  # one host-to-device copy
-        _varlen_into(varlen, out, rows, query.dtype, q=q, k=keys, v=values, cu_seqlens_q=cu[0], cu_seqlens_k=cu[1],
+        _varlen_into(varlen, out, rows, dtype, q=q, k=keys, v=values, cu_seqlens_q=cu[0], cu_seqlens_k=cu[1],
                      max_seqlen_q=max(news), max_seqlen_k=max(lengths[b] for b in seqs), softmax_scale=q_scale,
                      causal=True)  # bottom-right
         return
@@ -155,7 +153,7 @@ def dense_attention(query, kv_cache, block_table, lengths: list[int], starts: li
     for b in seqs:
         start, end, length = starts[b], starts[b + 1], lengths[b]
         new = end - start
-        q, q_scale = stored_basis(query[start:end], preset, scale)
+        q, q_scale = stored_basis(query[start:end].to(dtype), preset, scale)
         q = q.transpose(0, 1).unsqueeze(0)  # [1, Hq, new, D]
         k = keys[at : at + length].transpose(0, 1).unsqueeze(0)  # [1, Hk, L, D]
         v = values[at : at + length].transpose(0, 1).unsqueeze(0)

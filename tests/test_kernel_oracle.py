@@ -1,0 +1,160 @@
+"""Kernels against the exact oracle: fp64 attention over the codec's decode of the very cache bytes.
+
+The interpreted kernels round their dot operands to the GPU's fp16 before upcasting (``triton_attention._operand``),
+so these tests see the GPU's operand numerics at contexts long enough for many splits and tiles, in ragged
+batches with several query rows a sequence. What the interpreter cannot show is the GPU's own accumulation
+inside the tensor cores; ``tqkv bench kernels --check`` runs the same oracle there.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import os
+import sys
+
+import pytest
+import torch
+
+import tqkv_compile
+from tqkv_compile import oracle
+from tqkv_compile.codec import get_preset, own_preset_names, preset_names
+
+pytestmark = pytest.mark.interpret
+triton = pytest.importorskip("triton")
+
+L2_LIMIT, MAX_LIMIT = 0.01, 0.02
+BLOCK = 16
+_KERNEL_MODULES = [
+    "tqkv_compile.lowerings.triton_general",
+    "tqkv_compile.lowerings.triton_kv_dot",
+    "tqkv_compile.lowerings.triton_attention",
+    "tqkv_compile.lowerings.triton_query",
+    "tqkv_compile.lowerings.triton_kv_write",
+    "tqkv_compile.lowerings.triton_dequant",
+    "tqkv_compile.lowerings.dependent_launch",
+]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def interpreter():
+    """Define the kernels under the interpreter; restore the environment afterwards."""
+    previous = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    for name in _KERNEL_MODULES:
+        sys.modules.pop(name, None)
+    for name in reversed(_KERNEL_MODULES):
+        importlib.import_module(name)
+    yield
+    if previous is None:
+        os.environ.pop("TRITON_INTERPRET", None)
+    else:
+        os.environ["TRITON_INTERPRET"] = previous
+
+
+def _paged(preset, lens, rows, kv_heads, group, q_scale=1.0, seed=0):
+    """A cache with ``lens`` positions a sequence (N(0, 1) keys and values, written by the reference's kv_write,
+    blocks shuffled) and queries of ``rows`` rows a sequence: (cache, block table, seq_lens, query_start_loc,
+    query bf16)."""
+    g = torch.Generator().manual_seed(seed)
+    dim = preset.head_dim
+    blocks = [math.ceil(length / BLOCK) for length in lens]
+    cache = torch.zeros(sum(blocks) + 2, BLOCK, kv_heads, preset.slot_bytes, dtype=torch.uint8)
+    order = torch.randperm(cache.shape[0], generator=g)
+    table = torch.full((len(lens), max(blocks) + 1), 10_000, dtype=torch.int32)  # junk past the blocks
+    used = 0
+    reference = tqkv_compile.get_backend("reference")
+    for b, length in enumerate(lens):
+        table[b, : blocks[b]] = order[used : used + blocks[b]].to(torch.int32)
+        used += blocks[b]
+        pos = torch.arange(length)
+        slots = table[b, pos // BLOCK].long() * BLOCK + pos % BLOCK
+        k = torch.randn(length, kv_heads, dim, generator=g).to(torch.bfloat16)
+        v = torch.randn(length, kv_heads, dim, generator=g).to(torch.bfloat16)
+        reference.kv_write(k, v, cache, slots, preset)
+    qsl = torch.tensor([0, *torch.tensor(rows).cumsum(0).tolist()], dtype=torch.int32)
+    query = (torch.randn(int(qsl[-1]), kv_heads * group, dim, generator=g) * q_scale).to(torch.bfloat16)
+    return cache, table, torch.tensor(lens, dtype=torch.int32), qsl, query
+
+
+def _within_tolerance(out, exact):
+    l2, worst = oracle.errors(out, exact)
+    assert l2 <= L2_LIMIT and worst <= MAX_LIMIT, f"l2_rel {l2:.2e}, max_rel {worst:.2e}"
+
+
+def test_oracle_is_causal_bottom_right_attention_over_the_decoded_bytes():
+    """Written out row by row, position by position: row j of n new rows sees positions 0 .. L - n + j."""
+    preset = get_preset("turboquant_4bit_nc", 64)
+    cache, table, lens, qsl, query = _paged(preset, [3, 9], [1, 4], kv_heads=2, group=3, seed=1)
+    exact = oracle.exact_attention(query, cache, table, lens, qsl, 0.125, preset)
+    for b, length in enumerate(lens.tolist()):
+        keys, values = preset.decode(oracle.context_slots(cache, table, b, length))
+        n = int(qsl[b + 1] - qsl[b])
+        for j in range(n):
+            row = int(qsl[b]) + j
+            for h in range(6):
+                seen = length - n + j + 1
+                logits = [0.125 * float(query[row, h].double() @ keys[t, h // 3].double()) for t in range(seen)]
+                top = max(logits)
+                weights = [math.exp(x - top) for x in logits]
+                want = sum(w * values[t, h // 3].double() for t, w in enumerate(weights)) / sum(weights)
+                torch.testing.assert_close(exact[row, h].double(), want, rtol=1e-5, atol=1e-6)
+    assert oracle.errors(exact, exact) == (0.0, 0.0)
+
+
+@pytest.mark.parametrize("preset_name", preset_names() + own_preset_names())
+def test_reference_backend_is_within_tolerance_of_the_oracle(preset_name):
+    """The reference (the fallback every kernel is also compared with) meets the kernels' tolerance on a ragged
+    batch with several rows a sequence, flat and peaked."""
+    preset = get_preset(preset_name, 64)
+    reference = tqkv_compile.get_backend("reference")
+    for q_scale in (1.0, 4.0):
+        cache, table, lens, qsl, query = _paged(preset, [1, 300, 2100], [1, 5, 2], kv_heads=2, group=3,
+                                                q_scale=q_scale, seed=2)
+        out = reference.attention(query, cache, table, lens, qsl, 0.125, preset)
+        _within_tolerance(out, oracle.exact_attention(query, cache, table, lens, qsl, 0.125, preset))
+
+
+def _decode(preset, cache, table, lens, qsl, query, kernel, splits):
+    from tqkv_compile.lowerings.triton_attention import decode_attention
+
+    rotation, centroids, _ = tqkv_compile.get_backend("triton").tables(preset, query.device)
+    return decode_attention(query, cache, table, lens, qsl, 0.125, preset, rotation, centroids, kernel=kernel,
+                            splits=splits)
+
+
+def test_stream_kernel_meets_the_oracle_on_a_long_ragged_batch_over_many_splits():
+    """4bit_nc, flat attention (the hard case for accumulation), uneven lengths up to 9000 in one call, 24 splits
+    of a row (the GPU's split counts at long contexts), one sequence with four rows."""
+    preset = get_preset("turboquant_4bit_nc", 64)
+    cache, table, lens, qsl, query = _paged(preset, [1, 700, 2500, 9000], [1, 1, 4, 1], kv_heads=1, group=3, seed=3)
+    out = _decode(preset, cache, table, lens, qsl, query, "stream", splits=24)
+    _within_tolerance(out, oracle.exact_attention(query, cache, table, lens, qsl, 0.125, preset))
+
+
+@pytest.mark.parametrize("preset_name,kernel,q_scale", [("turboquant_k8v4", "stream", 4.0),
+                                                        ("turboquant_3bit_nc", "stream", 1.0),
+                                                        ("turboquant_k3v4_nc", "bytes", 1.0)])
+def test_kernels_meet_the_oracle_with_up_to_eight_rows_a_sequence(preset_name, kernel, q_scale):
+    """fp8 keys, 3-bit values and 3-bit keys on the two interpretable kernels: ragged, 8 and 3 rows a sequence,
+    group 5 (not a power of two), flat or peaked."""
+    preset = get_preset(preset_name, 64)
+    cache, table, lens, qsl, query = _paged(preset, [8, 3000], [8, 3], kv_heads=1, group=5, q_scale=q_scale,
+                                            seed=4)
+    out = _decode(preset, cache, table, lens, qsl, query, kernel, splits=12)
+    _within_tolerance(out, oracle.exact_attention(query, cache, table, lens, qsl, 0.125, preset))
+
+
+def test_general_kernel_and_kv_dot_meet_the_oracle_for_a_preset_of_ours():
+    """tqkv_k5v3 (values in the rotated basis) through the general kernel; kv_dot's logits against exact ones."""
+    preset = get_preset("tqkv_k5v3", 64)
+    cache, table, lens, qsl, query = _paged(preset, [40, 1500], [2, 1], kv_heads=2, group=2, seed=5)
+    triton_backend = tqkv_compile.get_backend("triton")
+    out = triton_backend.decode_kernels(query, cache, table, lens, qsl, 0.125, preset)
+    _within_tolerance(out, oracle.exact_attention(query, cache, table, lens, qsl, 0.125, preset))
+    last = (qsl[1:] - 1).long()
+    logits = triton_backend.kv_dot(query[last], cache, table, lens, 0.125, preset)
+    exact = oracle.exact_logits(query[last], cache, table, lens, 0.125, preset)
+    finite = torch.isfinite(exact)
+    assert torch.equal(finite, torch.isfinite(logits))
+    torch.testing.assert_close(logits[finite], exact[finite], rtol=0, atol=2e-3)
