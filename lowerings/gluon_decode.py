@@ -572,12 +572,6 @@ if gluon is not None:
             dtype=(gl.float16, gl.float16, gl.float16, gl.float16), is_pure=True, pack=2)
 
     @gluon.jit
-    def _fma(a, b, c):
-        """a * b + c in fp32, rounded once to nearest (an asm fma: nothing folds the product's mma into it)."""
-        return gl.inline_asm_elementwise("fma.rn.f32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c], dtype=gl.float32,
-                                         is_pure=True, pack=1)
-
-    @gluon.jit
     def _word(halves):
         """16-bit words zero-extended to int32, opaquely: a word the loop carries (``PREFETCH`` 2) would otherwise
         cross the loop as i16 and be extended again (a LOP3 each) after it; here the load's own zero extension
@@ -950,8 +944,9 @@ if gluon is not None:
             y = gl.reshape(y, [BLOCK, 4, 8, VJ, 2, 2])  # [pos, w, l // 4, j, r1, i // 2]
             y = gl.reshape(gl.permute(y, (3, 5, 1, 4, 2, 0)), [D, BLOCK])  # [j, i // 2, w, r1, l // 4, pos]
             values = gl.convert_layout(y, A_OP, assert_trivial=True)
-            # the tile's P.V from zero, added in fp32 (triton_attention's stream kernel says why)
-            acc = _fma(acc, alpha[None, :], mma_v2(values, gl.convert_layout(ps, B_OP), zeros))
+            # the tile's P.V from zero, added in fp32 (triton_attention's stream kernel says why; Gluon's pipeline
+            # has no pass that folds the add back into the mma's accumulator, as Triton's combine does)
+            acc = acc * alpha[None, :] + mma_v2(values, gl.convert_layout(ps, B_OP), zeros)
             if PREFETCH == 2:
                 kw, vw, fields = kw_next, vw_next, fields_next
             if PREFETCH >= 1:

@@ -26,10 +26,10 @@ BLOCK_SIZE = 16
 
 # name -> (sequence lengths, query rows per sequence, kv heads)
 CASES = {
+    "chunk-200-on-20000": ([5000, 20000], [1, 200], 2),
     "1x131072": ([131072], [1], 1),
     "ragged-1..65536": ([1, 17, 300, 2049, 9000, 16385, 40000, 65536], [1] * 8, 2),
     "spec-rows-1..8": ([100, 4096, 16384, 33000], [3, 8, 1, 6], 2),
-    "chunk-200-on-20000": ([5000, 20000], [1, 200], 2),
 }
 ATTENTION = {"flat": 1.0, "peaked": 4.0}  # the query's scale: N(0, 1) keys, so 4 makes a few positions dominate
 
