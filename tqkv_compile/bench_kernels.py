@@ -451,6 +451,10 @@ def plot(records: list[dict], path: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if "--shapes" in argv:  # the model-shape matrix: its own options (tqkv_compile.bench_shapes)
+        from tqkv_compile import bench_shapes
+
+        return bench_shapes.main(argv)
     parser = argparse.ArgumentParser(prog="tqkv bench kernels", description=__doc__.split("\n")[0])
     parser.add_argument("--out", help="JSON path for the records")
     parser.add_argument("--plot", help="PNG path: achieved bandwidth vs context")
@@ -478,6 +482,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dims", default="64,128,256", help="head sizes for --check (default %(default)s)")
     parser.add_argument("--workers", type=int, default=8, help="--check: processes at a time (default %(default)s)")
     parser.add_argument("--oracle-only", action="store_true", help="--check: the oracle's matrix alone")
+    parser.add_argument("--shapes", action="store_true",
+                        help="decode over a matrix of model shapes and batches instead (tqkv_compile.bench_shapes; "
+                             "its options: --shapes --help)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_kernels: needs a CUDA GPU", file=sys.stderr)

@@ -1,4 +1,5 @@
-"""The ``tqkv`` command: ``demo``, ``inspect``, ``quality``, ``bench kernels``, ``bench e2e``, ``warm-fa2``."""
+"""The ``tqkv`` command: ``demo``, ``inspect``, ``quality``, ``bench kernels``, ``bench e2e``, ``doctor``,
+``warm-fa2``."""
 
 from __future__ import annotations
 
@@ -26,10 +27,16 @@ def main(argv: list[str] | None = None) -> int:
     bench_kinds.add_parser("kernels", help="per-layer kernel timings against FA3 and vLLM's TurboQuant", add_help=False)
     bench_kinds.add_parser("e2e", help="the vLLM engine's decode tokens/s per cache configuration", add_help=False)
 
+    commands.add_parser("doctor", add_help=False,
+                        help="what this environment has, whether tqkv serves it, and what to do where it does not")
     commands.add_parser("warm-fa2", add_help=False,
                         help="compile vLLM's FlashAttention-2 for this GPU ahead of the first TurboQuant engine")
 
     args, rest = parser.parse_known_args(argv)
+    if args.command == "doctor":
+        from tqkv_compile import doctor
+
+        return doctor.main(rest)
     if args.command == "warm-fa2":
         from tqkv_compile.vllm import fa2_warm
 

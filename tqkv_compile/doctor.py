@@ -1,0 +1,120 @@
+"""``tqkv doctor``: what this environment has, whether tqkv will serve it, with which kernels, and what to do where
+it will not.
+
+Each finding is a :class:`Finding` (a topic, what was found, and, where tqkv will not serve or will serve slowly,
+what to do). Nothing here changes the environment: it imports what it inspects and reads the GPU's properties.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+from dataclasses import asdict, dataclass
+
+
+@dataclass
+class Finding:
+    topic: str
+    found: str
+    action: str = ""  # what to do; empty where nothing needs doing
+
+    @property
+    def ok(self) -> bool:
+        return not self.action
+
+
+def _version(module: str) -> str | None:
+    try:
+        return __import__(module).__version__
+    except Exception:  # noqa: BLE001 (not installed, or broken: either way not usable)
+        return None
+
+
+def findings() -> list[Finding]:
+    """Everything ``tqkv doctor`` reports, in order."""
+    import torch
+
+    from tqkv_compile.vllm import adapter
+
+    out = [Finding("python", platform.python_version()), Finding("torch", torch.__version__)]
+    triton_version = _version("triton")
+    cuda = torch.cuda.is_available()
+    out.append(Finding("triton", triton_version or "not installed",
+                       "the GPU kernels need triton (pip install triton)" if cuda and not triton_version else ""))
+    vllm_version = _version("vllm")
+    reason = adapter.unsupported_reason()
+    supported = ", ".join(f"{v}.x" for v in adapter.KNOWN_VERSIONS)
+    if reason is None:
+        out.append(Finding("vllm", f"{vllm_version} (supported: {supported})"))
+    else:
+        out.append(Finding("vllm", f"{vllm_version or 'not installed'}: tqkv stays off ({reason})",
+                           f"install a supported vLLM ({supported}); see the README's support table"))
+    if cuda:
+        index = torch.cuda.current_device()
+        capability = torch.cuda.get_device_capability(index)
+        out.append(Finding("gpu", f"{torch.cuda.get_device_name(index)}, compute capability "
+                                  f"{capability[0]}.{capability[1]}"))
+        out.extend(_gpu_kernels(capability))
+        from tqkv_compile.vllm import fa2_warm
+
+        warning = fa2_warm.needed()
+        out.append(Finding("flash-attention-2", warning or "native code for this GPU (no warm-up needed)",
+                           "run `tqkv warm-fa2` once before the first TurboQuant engine" if warning else ""))
+    else:
+        out.append(Finding("gpu", "none (CPU only)"))
+        out.append(_cpu_backend())
+    return out
+
+
+def _gpu_kernels(capability: tuple[int, int]) -> list[Finding]:
+    """Which decode kernels the launcher can take on this GPU."""
+    if capability < (8, 0):
+        return [Finding("kernels", f"compute capability {capability[0]}.{capability[1]}: tqkv's Triton kernels "
+                                   "need 8.0 or later (tensor-core dots)",
+                        "use an Ampere or newer GPU, or TQKV_BACKEND=pytorch (slow)")]
+    from tqkv_compile.lowerings import gluon_decode
+
+    if gluon_decode.gluon is None:
+        fragments = "the fragment kernel is unavailable (this triton has no Gluon): the stream kernel serves all"
+    elif not gluon_decode.enabled():
+        fragments = "the fragment kernel is off (TQKV_FRAGMENT_KERNEL=0): the stream kernel serves all"
+    else:
+        fragments = ("fragment kernel (Gluon) for heads 128 / 256 where it is the faster one, the stream kernel "
+                     "elsewhere (head 64, batch 1 at short contexts)")
+    return [Finding("kernels", f"vLLM's presets: {fragments}; presets of ours: the general kernel")]
+
+
+def _cpu_backend() -> Finding:
+    """The backend that serves the CPU, and its decode path."""
+    from tqkv_compile.backends import select_backend
+
+    import torch
+
+    backend = select_backend(torch.device("cpu"))
+    describe = getattr(backend, "describe", None)
+    detail = describe() if callable(describe) else f"the {backend.name} backend"
+    return Finding("cpu backend", detail)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="tqkv doctor", description=__doc__.split("\n")[0])
+    parser.add_argument("--json", action="store_true", help="one JSON object instead of lines")
+    args = parser.parse_args(argv)
+    found = findings()
+    serves = all(f.ok for f in found if f.topic in ("vllm", "kernels"))
+    if args.json:
+        print(json.dumps({"serves": serves, "findings": [dict(asdict(f), ok=f.ok) for f in found]}))
+    else:
+        width = max(len(f.topic) for f in found)
+        for f in found:
+            print(f"{f.topic:>{width}}: {f.found}")
+            if f.action:
+                print(f"{'':>{width}}  -> {f.action}")
+        print(f"\ntqkv {'will' if serves else 'will NOT'} serve TurboQuant layers in this environment")
+    return 0 if serves else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
