@@ -11,14 +11,8 @@ warm-up and profile runs, which come before capture, size it), and during captur
 the buffer holds gets None and falls back to a per-call buffer or a launch of its own; nothing is created while
 Inductor traces a launcher (fake tensors), so traced launches do not use them.
 
-Kept counts are on unless ``TQKV_KEPT_COUNTS=0`` (:func:`kept_counts`). Measured on the H200 (2026-12-04,
-``bench/results/h200-variants-arrivals.json``, one machine, consecutive commands; GPU check: 0 failures):
-tqkv_4bit_pc's kv_write 7.8 -> 6.6 us at one token, 7.3 -> 6.3 at 64 (the memset gone). The same counts let
-the decode kernel's last split merge the splits in its own launch (``TQKV_LAST_ARRIVER=1``, since removed):
-~9 us slower at 1 x 32768 (k8v4 37.7 -> 46.6 us, tqkv_4bit_pc 47.9 -> 56.5: 8 programs, one per kv head,
-merging 48 splits each, where the merge kernel's launch spreads the work over 32), mixed at 64 x 4096
-(tqkv_4bit_pc 350.1 -> 333.1, 4bit_nc 377.4 -> 382.8, k8v4 234.8 -> 240.5); its code is in git history
-(bd688d7, ``_arrive_and_merge``).
+Kept counts are on unless ``TQKV_KEPT_COUNTS=0`` (:func:`kept_counts`); they save tqkv_4bit_pc's kv_write its
+memset (measurements, and a merge by the last split that was tried and removed: docs/performance-history.md).
 """
 
 from __future__ import annotations

@@ -4,12 +4,9 @@ before it has finished; it waits (``griddepcontrol.wait``) for that kernel's com
 reads anything, and lets the next one be launched (``griddepcontrol.launch_dependents``) as it starts. What it
 saves is the launch gap between dependent kernels, ~1-2 us each at a decode step of one sequence.
 
-Off unless ``TQKV_PDL=1`` (:func:`enabled`). Timed on the H200 (2026-12-04, GPU check 0 failures): the kernel
-benchmark (one attention call in a CUDA graph, ``bench/results/h200-variants-arrivals.json``) 4% faster over
-all (tqkv_4bit_pc 64 x 4096 350.1 -> 324.4 us, 4bit_nc 1 x 32768 53.7 -> 51.9; k8v4 1 x 32768 37.7 -> 39.4
-slower), end to end no change (k8v4 at 1 x 32768 159.4 without, 159.2 tok/s with, one machine;
-``h200-e2e-pdl.json``), so it stays off. Never under the interpreter (CPU), and not where Inductor traces a
-launcher (``torch.library.wrap_triton`` takes no launch options).
+Off unless ``TQKV_PDL=1`` (:func:`enabled`): a few percent faster in the kernel benchmark, no change end to end
+(docs/performance-history.md). Never under the interpreter (CPU), and not where Inductor traces a launcher
+(``torch.library.wrap_triton`` takes no launch options).
 """
 
 from __future__ import annotations

@@ -7,10 +7,8 @@ through shared memory (stores, barriers, ldmatrix) with register moves on both s
 is ours to choose (the query is permuted the same way; the output is stored back in natural order), so it is
 chosen such that the codes a thread needs for its mma.sync m16n8k16 fragments are whole 16-bit words of the
 slot: a word's byte-permute lookup yields the fragment's fp16 pairs in place, and the conversion into the
-operand layout is a no-op (``assert_trivial``). Statically (sm_90a, head 128, triton 3.6 as on the H200;
-``python bench/ptx_stats.py --kernel fragments``), SASS a thread per tile of 64 positions against the stream
-kernel's: tqkv_4bit_pc 498 / 1035, turboquant_4bit_nc 581 / 1105, turboquant_k8v4 338 / 800; the memory floor
-allows ~466 for 4bit_nc.
+operand layout is a no-op (``assert_trivial``). Statically it issues about half the stream kernel's
+instructions a tile (``python bench/ptx_stats.py --kernel fragments``; figures in docs/performance-history.md).
 
 The layouts, one program = one query row's group of <= 8 query heads over one split, 4 warps, 64 positions a
 tile (warp w: positions 16 w .. 16 w + 15 for the keys), head size D = 128 or 256 (KT = D / 16 k-steps):
@@ -33,24 +31,20 @@ Loops (constexprs): STAGE 1 / 2 load a position's words as a warp's run and move
 through shared memory (each thread loading its fragments' own words makes a warp's load instruction touch 8-11
 cache lines: ``bench/load_lines.py``), and read 3-bit fields too: a group's three words in one thread, repacked
 into the 4-bit words' format (:func:`_spread3x8`) before the move, 3-bit keys looked up by :func:`_lut3_pairs`;
-PREFETCH 1 / 2 load a tile ahead (2 the default: :func:`default_prefetch`). (A STAGE 3, a ring of tiles in
-shared memory filled by cp.async copies, was checked on an H100 and 0.89x STAGE 1 there; deleted on 2026-12-05,
-its code is in git at 54f6150: :func:`default_stage`.)
+PREFETCH 1 / 2 load a tile ahead (2 the default: :func:`default_prefetch`).
 
 Key lookup (4-bit keys): byte permutes from eight registers (:func:`_lut4_pairs`, 11 instructions a word of four
 codes, a third of the loop's issue) with ``TQKV_FRAGMENT_KEY_TABLE=0``; by default (32; on Hopper)
 from a table of the 256 fp16 pairs in shared memory (:func:`_table4_pairs`: 6 instructions a word, two of them
 shared loads), kept past Triton's own shared memory with 32 copies side by side so that a warp's lanes hit
-different banks: 1.05-1.06x at 64 x 32768 on an H100 (:func:`default_key_table`).
+different banks (:func:`default_key_table`).
 
-Status: checked against the reference on an H200 (heads 128 and 256; STAGE 0, 1 and 2: 0 failures, worst relative
-error 6.8e-3) and timed there (2026-12-05): STAGE 1 is the default (2 for 3-bit fields: :func:`default_stage`), :func:`preferred` says
-where the kernel wins, and the launcher takes it there by default (``TQKV_FRAGMENT_KERNEL=0`` turns it off,
-``=1`` takes it wherever it can serve the call; or ``decode_attention(kernel="fragments")``);
-``tqkv bench kernels --check`` is its correctness test on a GPU. What holds it now (Nsight Compute, 64 x 32768,
-``h200-ncu-fragments.txt``): latency, not bandwidth or issue: 128 registers allow 4 warps a scheduler, 0.76 of
-them eligible a cycle, DRAM at 34% and issue at 46% of their peaks. Contract: :func:`_decode_stream_kernel`'s
-(partials and their base-2 log-sum-exp for the merge kernel), with the query from :func:`prepare_query`.
+Defaults: STAGE 1 (2 for 3-bit fields: :func:`default_stage`); :func:`preferred` says where the kernel wins, and
+the launcher takes it there by default (``TQKV_FRAGMENT_KERNEL=0`` turns it off, ``=1`` takes it wherever it can
+serve the call; or ``decode_attention(kernel="fragments")``). ``tqkv bench kernels --check`` is its correctness
+test on a GPU (docs/kernels.md). Contract: :func:`_decode_stream_kernel`'s (partials and their base-2
+log-sum-exp for the merge kernel), with the query from :func:`prepare_query`. How each default was chosen, with
+its measurements: docs/performance-history.md.
 """
 
 from __future__ import annotations
@@ -97,16 +91,13 @@ def _setting(name: str, default: str, choices: tuple) -> str:
 
 
 def preferred(preset: Preset, rows: int, max_len: int) -> bool:
-    """Where the fragment kernel is the faster one, from the shapes alone (graph-stable). H200, 2026-12-05 09:32
-    (``h200-fragments-stage.json``, one command), us per layer, stream -> fragments at the default STAGE 1:
-    4bit_nc 64 x 32768 1574 -> 1362, 1 x 32768 42.0 (the stream kernel's, an earlier run: 47.5) -> 38.4,
-    64 x 4096 209 -> 185; k8v4 1546 -> 1124, 1 x 32768 36.5 -> 31.5, 64 x 4096 206 -> 148; k3v4_nc 2097 -> 1355,
-    46.6 -> 37.9, 274 -> 183.5; 3bit_nc 2418 -> 1480, 49.1 -> 39.1, 314 -> 200. At 1 x 4096 (``h200-kernels.json``,
-    09:36, every preset forced onto it) it took 16.9 us (4- and 3-bit keys) and 14.2 (fp8) where the stream kernel
-    took 14.8 and 10.5 (2026-12-05 01:52): a small grid, where the heavier prologue and epilogue of few tiles a
-    program weigh (and for fp8 keys the stream kernel prepares the query itself: one launch fewer). So: batches
-    above 1 or tables of 16384 positions and more (fp8 keys: batches of 16 and more, or the long tables). 3-bit
-    fields need STAGE 1 / 2 (:func:`supports`; at STAGE 0 the launcher keeps the stream kernel for them)."""
+    """Where the fragment kernel is the faster one, from the shapes alone (graph-stable): batches above 1 or
+    tables of 16384 positions and more (fp8 keys: batches of 16 and more, or the long tables). Measured, it won
+    for every preset at 64 x 32768, 1 x 32768 and 64 x 4096 and lost at 1 x 4096: a small grid, where the heavier
+    prologue and epilogue of few tiles a program weigh (for fp8 keys the stream kernel also prepares the query
+    itself: one launch fewer), so the stream kernel serves those. 3-bit fields need STAGE 1 / 2
+    (:func:`supports`; at STAGE 0 the launcher keeps the stream kernel for them). The measurements behind the
+    rule: docs/performance-history.md."""
     if preset.key_fp8:
         return rows >= 16 or max_len >= 16384
     return rows > 1 or max_len >= 16384
@@ -134,13 +125,8 @@ def default_prefetch(preset: Preset | None = None) -> int:
     """The kernel's PREFETCH when the caller names none: ``TQKV_FRAGMENT_PREFETCH`` (0, 1 or 2); by default 2 (the
     next tile's block ids and words loaded before this tile's math: register double buffering, ~40 registers
     more, 3 programs an SM where 4 fit), 1 for fp8 keys (block ids only), 0 at head 256 (untimed there: 2 runs
-    at 255 registers, 2 programs an SM). H100, 2026-12-05 13:21-13:26, one machine, each loop twice
-    (``h100-fragments-prefetch.json``), us at 64 x 32768 for PREFETCH 0 / 1 / 2 (STAGE 1; 3-bit presets STAGE
-    2): 4bit_nc 1390 / 1328 / 1270, k8v4 1442 / 1387 / 1400, k3v4_nc 1392 / 1350 / 1289, 3bit_nc 1461 / 1406 /
-    1394; 1 x 32768 alike (4bit_nc 39.3 / 38.6 / 36.7); at 64 x 4096 1 and 2 tie for 4-bit keys (180.8 / 180.3)
-    and 2 loses for fp8 keys (k8v4 175.1 / 169.9 / 192.5). The profile of PREFETCH 0 said latency binds; 2 hides
-    some of it (DRAM 54% of peak against 47% for a ring of cp.async copies, the deleted STAGE 3: 1541 against
-    1828 us under Nsight Compute)."""
+    at 255 registers, 2 programs an SM). 2 hides some of the load latency that binds at PREFETCH 0; for fp8
+    keys it loses at 64 x 4096, hence 1 there (docs/performance-history.md)."""
     if preset is not None and preset.head_dim > 128:
         fallback = "0"
     else:
@@ -159,15 +145,8 @@ def default_stage(preset: Preset | None = None) -> int:
     (8-11 cache lines: the L1 serves one a cycle). 1 loads each position's words as one contiguous run of a warp
     (1-2 lines an instruction) and moves them into the fragments' layout through shared memory, as 16-bit words
     (2: extended to 32 bits first: 16 KB of shared memory traffic a tile against 8, ~35 fewer instructions).
-    H200, 2026-12-05 09:32, one command (``h200-fragments-stage.json``), us at 64 x 32768 for STAGE 0 / 1 / 2:
-    4bit_nc 1574 / 1362 / 1359, k8v4 1545 / 1124 / 1182, k3v4_nc - / 1355 / 1372, 3bit_nc - / 1480 / 1457 (1 x 32768
-    and 64 x 4096 alike). 1 is the best or within 1.6% of it for every preset, and the loop the kernel table
-    and the end-to-end runs of that session used; 2 stays for the A/B (H100, 2026-12-05 16:18, with the key
-    table: 4bit_nc 1203 / 1283 us at 64 x 32768 for 1 / 2, ``h100-fragments-stage2.json``). STAGE 3, a ring of 3
-    tiles in shared memory filled by asynchronous copies (cp.async) for the latency the profile of STAGE 1
-    shows, was checked on an H100 (0 failures) and 0.89x STAGE 1 there (1556 against 1390 us at 64 x 32768: its
-    ring hid latency, its 717 instructions a tile cost more; with the key table it would have held 85 KB a
-    program); deleted on 2026-12-05 (in git at 54f6150)."""
+    1 is the best or within 2% of it for every preset; 2 stays for the A/B. The measurements:
+    docs/performance-history.md."""
     three_bit = preset is not None and _three_bit_fields(preset)
     return int(_setting(STAGE_ENV, "2" if three_bit else "1", STAGES))
 
@@ -182,12 +161,9 @@ def default_key_table(preset: Preset | None = None, device: torch.device | None 
     256 fp16 pairs in shared memory (:func:`_table4_pairs`: two byte extracts, two multiply-adds and two shared
     loads a word of four codes), 32 copies side by side so that a warp's lanes always hit different banks; 32 KB a
     program beyond Triton's own shared memory. 0: byte permutes from eight registers (:func:`_lut4_pairs`, 11
-    instructions a word). H100, 2026-12-05 14:16, one command, each twice (``h100-key-table.json``; checked: 0
-    failures, ``h100-key-table-check.txt``), us at 64 x 32768 for 0 / 32 (8 copies: 2-3 lanes a bank): 4bit_nc
-    1284 / 1211 (1301), tqkv_4bit_pc 1246 / 1186 (1271); 1 x 32768 36.1 / 35.6 and 35.5 / 34.5. Statically
-    (sm_90a, triton 3.6, STAGE 1): 608 -> 518 SASS a tile (4bit_nc, PREFETCH 2), 526 -> 432 (tqkv_4bit_pc), 969 ->
-    815 (4bit_nc head 256, PREFETCH 0). Other keys (fp8, 3-bit) have no table: 0. Unset, also 0 on GPUs other
-    than Hopper (``device``; timed on an H100 only)."""
+    instructions a word). 32 issues fewer instructions a tile and is faster than 0 on an H100; 8 copies (2-3
+    lanes a bank) are slower than 0 (docs/performance-history.md). Other keys (fp8, 3-bit) have no table: 0.
+    Unset, also 0 on GPUs other than Hopper (``device``; timed on an H100 only)."""
     if preset is not None and not has_key_table(preset):
         return 0
     fallback = _growable_launches() and (
@@ -269,9 +245,8 @@ def maxnreg(dim: int, prefetch: int = 0) -> int:
     A/B (so that the engine runs can take it; head 256 keeps its caps, which 128 would spill under): with the key
     table, which frees the permute lookup's registers, PREFETCH 2 at head 128 compiles under 128 without loop
     spills (sm_90a, triton 3.6: 4bit_nc 516 SASS a tile and 4 bytes spilled outside the loop, tqkv_4bit_pc 425
-    and none, the 3-bit presets none), so 4 programs an SM instead of 3. Timed on an H100 (2026-12-05 18:20,
-    ``h100-regs.json``): 1.8% slower over the 4-bit-key presets (4bit_nc 64 x 32768 1206 -> 1244 us, 1 x 32768
-    1.03-1.09x slower), faster at 64 x 4096 (0.92-0.97x) and for k3v4_nc from batch 64 up; 168 stays."""
+    and none, the 3-bit presets none), so 4 programs an SM instead of 3. Timed on an H100: slower over the
+    4-bit-key presets, so 168 stays (docs/performance-history.md)."""
     if (forced := os.environ.get(MAXNREG_ENV)) is not None:
         if not (forced.isdigit() and 64 <= int(forced) <= 255):
             raise ValueError(f"{MAXNREG_ENV}={forced!r}: expected a number of registers from 64 to 255")
@@ -427,8 +402,8 @@ _LUTS: dict[tuple[str, int, str], torch.Tensor] = {}
 def key_lut(preset: Preset, device: torch.device) -> torch.Tensor:
     """The stream kernel's key table (:func:`triton_attention.key_lut`, 8 int32) twice, built once per preset
     and device (before CUDA-graph capture: ``TritonBackend.warm``): the kernel loads the copy its lane's parity
-    names. (The stream kernel had the same trick for a while: -3% SASS there, but +1% time on the H200, so
-    reverted; here it is part of what was timed.)"""
+    names. (The stream kernel had the same trick for a while and reverted it: fewer instructions, no faster
+    there.)"""
     from tqkv_compile.lowerings.triton_attention import key_lut as stream_lut
 
     key = (preset.name, preset.head_dim, str(device))

@@ -22,8 +22,7 @@ Two split kernels share that contract: ``_decode_stream_kernel`` (fields read as
 vLLM's four layouts, the one every engine cache takes) and ``_decode_split_kernel`` (byte loads: any view,
 the fallback); :func:`default_kernel` picks. A third, :mod:`gluon_decode`'s fragment kernel (4-bit or fp8 keys
 with 4-bit values, Gluon: each thread loads its own mma fragments' codes), takes their place on CUDA where it
-is the faster one (``gluon_decode.preferred``). (A third, the word kernel, served 3-bit fields from 32-bit words
-until the stream kernel read them, 2026-12-04; measured in bench/results/h200-kernels-notes.md.)
+is the faster one (``gluon_decode.preferred``). How the defaults were chosen: docs/performance-history.md.
 """
 
 from __future__ import annotations
@@ -59,7 +58,7 @@ def _select8(code, c0, c1, c2, c3, c4, c5, c6, c7):
 @triton.jit
 def _centroids(code, cent_ptr, BITS: tl.constexpr):
     """int32 codes -> fp32 Lloyd-Max centroids: the table held in registers (scalars) and selected (a gather
-    from the cached table measured 1.5-4x slower on the H200)."""
+    from the cached table was slower)."""
     values = _select8(code, tl.load(cent_ptr + 0), tl.load(cent_ptr + 1), tl.load(cent_ptr + 2),
                       tl.load(cent_ptr + 3), tl.load(cent_ptr + 4), tl.load(cent_ptr + 5), tl.load(cent_ptr + 6),
                       tl.load(cent_ptr + 7))
@@ -239,8 +238,8 @@ def _tile_base(bt_row, s_bm, start, end, n, kv_head, s_blk, s_pos, s_head, BLOCK
     valid = pos < end
     BLOCKS: tl.constexpr = n.shape[0] // BLOCK_SIZE
     if BLOCKS * BLOCK_SIZE == n.shape[0]:  # (BLOCK_SIZE a power of two: it divides the tile's)
-        # one load per block (a tile of 64 reads 4 ids, not 64 replicated over the threads; triton 3.6,
-        # sm_90a: 4bit_nc's tile loop 1105 -> 1033 SASS with the 3-bit loads below)
+        # one load per block (a tile of 64 reads 4 ids, not 64 replicated over the threads: fewer SASS
+        # instructions in the tile loop)
         b = start // BLOCK_SIZE + tl.arange(0, BLOCKS)
         block = tl.load(bt_row + b * s_bm, mask=b * BLOCK_SIZE < end, other=0)
         if not INDEX32:
@@ -368,8 +367,8 @@ def _load_field_h(eptr, base_h, offset: tl.constexpr, nbytes: tl.constexpr, WORD
     if THIRDS:
         tl.static_assert(WORD == 2, "3-bit fields are read as 16-bit words")
         # each load built as [groups, N] and transposed: its lanes then run along the groups first, and the
-        # fp16 tile unpacked from it reaches shared memory in 16-byte stores instead of 2-byte ones (triton
-        # 3.6, sm_90a: 3bit_nc's 128 STS.U16 a tile -> 16 STS.128, tile loop 1076 -> 928 SASS)
+        # fp16 tile unpacked from it reaches shared memory in 16-byte stores instead of 2-byte ones (3bit_nc:
+        # 16 STS.128 a tile instead of 128 STS.U16)
         g = tl.arange(0, nbytes // 6) * 3
         w0 = tl.trans(tl.load(eptr + g[:, None] + word[None, :])).to(tl.int32) & 0xFFFF
         w1 = tl.trans(tl.load(eptr + (g + 1)[:, None] + word[None, :])).to(tl.int32) & 0xFFFF
@@ -662,8 +661,7 @@ def _decode_stream_kernel(
     coordinate order (no query permutation). Its dots are turned around against the other kernels': scores^T = K .
     q^T and acc^T += V^T . P^T, so the query group is the dots' N side (``BLOCK_H`` >= 8) and the tile's positions
     their M side (mma.sync m16n8k16 as triton 3.6 compiles it for the H200; wgmma with 3.9): a group of 4 pads to 8
-    instead of 16, which halves the softmax, scaling and accumulator work (H200, 2026-12-04 19:56,
-    ``h200-tune.json``: 4bit_nc 64 x 32768 2874 -> 2149 us with the register cap at 128, k8v4 1807 -> 1623). With
+    instead of 16, which halves the softmax, scaling and accumulator work. With
     PREFETCH, the next tile's words and the tile after's block ids are loaded before the current tile is computed
     (software pipelining by hand: the loads are in flight during the math). With QUERY_IN_KERNEL, ``q_ptr`` is the
     model's query and :func:`_stream_query` rotates and scales it (no launch of :func:`prepare_query`); otherwise it
@@ -809,8 +807,8 @@ def _merge_kernel(part_out_ptr, part_lse_ptr, out_ptr, s_ot, s_oh, s_od,
 
 def merge_chunk(splits: int, dim: int) -> int:
     """The merge kernel's chunk of splits: their power of two, in one pass up to 128 splits at head sizes up to
-    128 (H200, 2026-12-04 19:58: k8v4 1 x 32768's 66 splits 37.6 -> 36.5 us against chunks of 64), chunks of
-    64 above (a [128, 256] fp32 tile would be 128 registers a thread at 8 warps; not measured)."""
+    128 (one pass was faster than chunks of 64), chunks of 64 above (a [128, 256] fp32 tile would be 128
+    registers a thread at 8 warps; not measured)."""
     return min(triton.next_power_of_2(splits), 128 if dim <= 128 else 64)
 
 
@@ -837,17 +835,14 @@ def num_splits(rows: int, kv_heads: int, max_len: int, device: torch.device, blo
 
     With ``programs_per_sm`` (how many of the kernel's programs an SM holds at once: the stream kernel's
     register cap fixes it) the split count minimises a wave model of the launch: time ~ waves x (tiles per
-    program + 2), waves = ceil(programs / resident slots). It fits the H200's split sweep
-    (``h200-tune.json``, 2026-12-04): 4bit_nc 1x32768 58.9 us at 48 splits against 66.7 at 64 (two waves of
-    512 programs on 396 slots), k8v4 16x8192 132.8 at 4 against 163.9 at 5. Never more splits than fill the
-    GPU ~4 times (the earlier rule's count), nor 128 (it was 64: k8v4 at batch 1, 128-position tiles, then
-    ran 52 splits of 5 tiles in an engine at 1 x 32768 (a table of 258 tiles), where 65-66 splits hold 4:
-    41.0 against 44.9 us, ``h200-tune.json``; the profile of 2026-12-04 17:02, ``h200-vllm020-notes.md``).
+    program + 2), waves = ceil(programs / resident slots); it fits a split sweep on the H200
+    (docs/performance-history.md). Never more splits than fill the GPU ~4 times, nor 128 (at 64, k8v4 at
+    batch 1 with 128-position tiles ran 52 splits of 5 tiles where 65-66 splits hold 4).
     Among counts the model rates equal, the largest: the model counts the table's width, and a server's table
     (its max_model_len) is often far wider than its sequences, whose tiles the larger count spreads thinner
     (a 131072-position table: 64 and 66 splits rate equal; a 32800-position sequence then takes 5 tiles a
     program at 64, 4 at 66). The cost: at exactly 32768 positions (256 tiles, 4 a program either way) 66
-    splits measured 41.0 us against 64's 38.7 (two empty programs a kv head, a second merge chunk).
+    splits are slower than 64 (two empty programs a kv head, a second merge chunk).
     Without ``programs_per_sm`` (the word and byte kernels, the interpreter): ~4 programs an SM, each split
     >= 4 tiles, at most 64."""
     pairs = max(rows * kv_heads, 1)
@@ -964,9 +959,9 @@ def require_vllm_layout(preset: Preset) -> None:
 
 def query_in_stream_kernel(preset: Preset, dtype: torch.dtype, interpret: bool) -> bool:
     """Whether the stream kernel prepares the query itself by default (else a :func:`prepare_query` launch).
-    fp8 keys: the query is only scaled, in the kernel (H200: k8v4 40.1 -> 37.9 us at 1 x 32768). 4-bit keys:
-    the in-kernel rotation's prologue (a [16, D] x [D, D] dot, 32 KB of signs) cost what the launch saved
-    (tqkv_4bit_pc 46.8 -> 47.9 us, 351.3 -> 355.7 at 64 x 4096), so prepare_query rotates. fp32 queries on the
+    fp8 keys: the query is only scaled, in the kernel (a launch saved). 4-bit keys: the in-kernel rotation's
+    prologue (a [16, D] x [D, D] dot, 32 KB of signs) cost what the launch saved, so prepare_query rotates
+    (docs/performance-history.md). fp32 queries on the
     GPU keep prepare_query's fp32 path either way."""
     return preset.key_fp8 and (interpret or dtype in (torch.float16, torch.bfloat16))
 
@@ -992,7 +987,7 @@ def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: t
                      out: torch.Tensor | None = None, key_table: int | None = None) -> torch.Tensor:
     """query [T, Hq, D] -> out [T, Hq, D] (query dtype); see the module docstring and ops.attention.
     ``kernel``: "stream" or "bytes" (default: :func:`default_kernel`); the other keywords are tuning
-    knobs (the H200 sweep's best by default). ``lut``: the stream kernel's key lookup table (default:
+    knobs (the measured best by default). ``lut``: the stream kernel's key lookup table (default:
     :func:`key_lut`, built once per preset and device). ``index32``: the stream kernel's int32 indexing
     (default: wherever the cache view spans fewer than 2^31 half-words; False forces int64). ``signs``: the
     stream kernel's rotation as +-1 (default: :func:`rotation_signs`); ``query_in_kernel``: the stream kernel
@@ -1040,15 +1035,14 @@ def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: t
         maxnreg = maxnreg or gluon_decode.maxnreg(dim, prefetch)
     if block_n is None:  # the H200 sweeps' best (bench/results/h200-kernels-notes.md)
         block_n = 16 if interpret else (32 if kernel == "bytes" else 64)
-        # fp8 keys: 128-position tiles where they still fill the GPU twice (H200: 4-11% faster from 64x4096 up,
-        # 34% slower at 1x4096, where 64 stays; max_len is the table's width, so this is graph-stable)
+        # fp8 keys: 128-position tiles where they still fill the GPU twice (faster from 64x4096 up, slower at
+        # 1x4096, where 64 stays; max_len is the table's width, so this is graph-stable)
         programs = rows * kv_heads * min(64, max_len // 512)
         if not interpret and kernel == "stream" and preset.key_fp8 and programs >= 2 * _sm_count(query.device):
             block_n = 128
     # stream kernel: no hand prefetch by default (measured: the registers it holds cost more than it hides),
-    # registers capped on the GPU at 128: 4 CTAs per SM without spills at heads up to 128 (H200, 2026-12-04
-    # 19:56, h200-tune.json: 4bit_nc 64x32768 2358 us at the cap of 168 that the untransposed tile needed, 2149
-    # at 128); 168 at head 256, where 128 spills ~0.5 KB a thread (sm_90a compile; not timed)
+    # registers capped on the GPU at 128: 4 CTAs per SM without spills at heads up to 128 (faster than 168:
+    # docs/performance-history.md); 168 at head 256, where 128 spills ~0.5 KB a thread (sm_90a compile; not timed)
     if kernel == "stream" and not interpret:
         maxnreg = maxnreg or (128 if dim <= 128 else 168)
     if splits is None:

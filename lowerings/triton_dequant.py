@@ -9,9 +9,9 @@ cast. Every code is read through a 16-bit window at its own bit offset (any widt
 little-endian runs of ``bits``-bit codes), and key codes are looked up in the centroid table by a gather.
 
 It replaces the codec's PyTorch decode on this path: int64 unpacking, a host-to-device copy of the tables per
-call (each a host sync) and a loop over sequences cost ~1.2 ms per sequence and layer at 4096 tokens on the
-H200 (prefill of 64 x 4096: 8.7 s against vLLM's TurboQuant 6.95 s). Memory-bound: it reads the slots once and
-writes 4 bytes per coordinate (bf16 key and value).
+call (each a host sync) and a loop over sequences made prefill slower than vLLM's TurboQuant
+(docs/performance-history.md). Memory-bound: it reads the slots once and writes 4 bytes per coordinate (bf16
+key and value).
 """
 
 from __future__ import annotations

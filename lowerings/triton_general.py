@@ -18,8 +18,8 @@ fp8 value). These kernels read and write that layout in one generic way:
   back by a dot in 16-column chunks), as the codec decodes them.
 
 They are written for correctness and coverage (tests run them under ``TRITON_INTERPRET=1`` against the
-reference backend). On the H200 (2026-12-03) the write, attention and kv_dot kernels agree with the reference
-at heads 64 and 128, slowly (24-41 GB/s; untuned); ``decode_slots`` has not run on a GPU yet.
+reference backend). On a GPU the write, attention and kv_dot kernels agreed with the reference at heads 64 and
+128, slowly (untuned; docs/performance-history.md); ``decode_slots`` has not run on a GPU yet.
 """
 
 from __future__ import annotations

@@ -13,19 +13,15 @@ Rows whose slot is negative are skipped. The cache is addressed by its four stri
 Launch shape (:func:`launch_shape`): many rows, one program per block of 32 rows writes whole slots. Few rows
 (a decode step: one token is 8 rows at 8 kv heads), Lloyd-Max presets: each block of 16 rows is spread over
 programs that each write 32 key coordinates or half the value codes (each computes the row's norm, or its
-minimum and maximum, itself). A decode step's write is one program's latency, not bandwidth: 39 us a layer at
-one token in an engine on the H200 with whole-slot programs (13,720 SASS instructions straight-line per thread
-and 1.9 KB of spills at 32 rows); a split program is at most 4,927 (both branches; 154 registers, no spills).
-Timed on the H200: 4.8 us at one token, 4.3 at 64 (vLLM's store: 20.1), 199 at 8192 (vLLM's: 237).
+minimum and maximum, itself). A decode step's write is one program's latency, not bandwidth: whole-slot
+programs run 13,720 SASS instructions straight-line per thread with 1.9 KB of spills at 32 rows; a split
+program is at most 4,927 (both branches; 154 registers, no spills). Timings: docs/performance-history.md.
 
 Norms corrected at the write (``norm_at_write``, tqkv_4bit_pc) need the whole row's codes for one value. Few
 rows: each key part stores its rows' sums of squared centroids, and the last key part of a row block to
 arrive (an atomic count) adds them up and writes the norm. Many rows: 16 rows a program instead of 32 (32
-spill already). Each coordinate's centroid is gathered from the table. H200, 4bit_nc -> tqkv_4bit_pc, us,
-at 1 / 64 / 8192 tokens: a program of its own for the norm (one dot over the whole row) 4.8 -> 9.6, 4.2 ->
-9.4, 198 -> 204; the same in 32-column chunks 10.5 / 9.8 / 331 (and whole-slot programs of 32 rows); the
-centroids selected along the midpoint compares instead of gathered 9.2 / 8.9 / 237; the last key part
-finishing the norm (kept) **7.0 / 6.7 / 203** (4bit_nc in that run: 4.8 / 4.4 / 198).
+spill already). Each coordinate's centroid is gathered from the table. (The alternatives timed against this
+scheme, all slower: docs/performance-history.md.)
 """
 
 from __future__ import annotations
@@ -243,9 +239,8 @@ def launch_shape(rows: int, preset: Preset, device: torch.device) -> tuple[int, 
         # heads) get programs of 4 rows, enough to spread over the GPU; many rows keep 16
         return int(min(16, max(4, triton.next_power_of_2(max(rows // (2 * _sm_count(device)), 1))))), min(dim, 64), 0, 0
     if few_rows(rows, device):
-        # a program's latency is the kernel's time (39 us at one token, 32 rows a program, on the H200 in an
-        # engine), so each 16-row block is spread over 32-coordinate key parts and two value parts (the dot
-        # needs 16 rows)
+        # a program's latency is the kernel's time (one token: 32 rows a program were slow), so each 16-row
+        # block is spread over 32-coordinate key parts and two value parts (the dot needs 16 rows)
         width = min(dim, 32)
         return 16, width, dim // width, 2
     # the rotation is a tf32 dot: at least 16 rows; 32 spill already (1.9 KB), and the corrected norm's

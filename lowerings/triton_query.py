@@ -18,7 +18,7 @@ def _prepare_query_kernel(q_ptr, rot_ptr, out_ptr, pairs, heads, s_qt, s_qh, s_q
                           GDC: tl.constexpr = False):
     """out[t, h, :] = (q[t, h, :] @ rot) * SCALE in fp32, BLOCK_M (token, head) pairs and BLOCK_D output
     columns a program; without ROTATE, q[t, h, :] * SCALE. The decode kernels' query in one launch
-    (it was a cast, a matmul and a multiply: three launches of ~2-4 us each at decode). The product is an fp32
+    (it was a cast, a matmul and a multiply: three launches). The product is an fp32
     FMA dot ("ieee"), as precise as the fp32 matmul it replaces."""
     wait_and_release(GDC)
     m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)

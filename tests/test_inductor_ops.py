@@ -46,7 +46,7 @@ def test_compiled_step_equals_eager_and_calls_the_reference_op_on_cpu():
 
 
 def test_the_inductor_lowering_example_runs_on_the_cpu():
-    """The example the README points to (on the H200 it shows Inductor launching our kernels) runs here too
+    """The example docs/design.md points to (on the H200 it shows Inductor launching our kernels) runs here too
     (off CUDA the ops are the checked ``tqkv`` ops on the CPU's backend): it broke once when an op input was removed."""
     import os
     import subprocess

@@ -8,13 +8,11 @@ inside the tensor cores; ``tqkv bench kernels --check`` runs the same oracle the
 
 from __future__ import annotations
 
-import importlib
 import math
-import os
-import sys
 
 import pytest
 import torch
+from interpreted import interpreted_kernels
 
 import tqkv_compile
 from tqkv_compile import oracle
@@ -25,31 +23,13 @@ triton = pytest.importorskip("triton")
 
 L2_LIMIT, MAX_LIMIT = 0.01, 0.02
 BLOCK = 16
-_KERNEL_MODULES = [
-    "tqkv_compile.lowerings.triton_general",
-    "tqkv_compile.lowerings.triton_kv_dot",
-    "tqkv_compile.lowerings.triton_attention",
-    "tqkv_compile.lowerings.triton_query",
-    "tqkv_compile.lowerings.triton_kv_write",
-    "tqkv_compile.lowerings.triton_dequant",
-    "tqkv_compile.lowerings.dependent_launch",
-]
 
 
 @pytest.fixture(scope="module", autouse=True)
 def interpreter():
     """Define the kernels under the interpreter; restore the environment afterwards."""
-    previous = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    for name in _KERNEL_MODULES:
-        sys.modules.pop(name, None)
-    for name in reversed(_KERNEL_MODULES):
-        importlib.import_module(name)
-    yield
-    if previous is None:
-        os.environ.pop("TRITON_INTERPRET", None)
-    else:
-        os.environ["TRITON_INTERPRET"] = previous
+    with interpreted_kernels():
+        yield
 
 
 def _paged(preset, lens, rows, kv_heads, group, q_scale=1.0, seed=0):

@@ -7,12 +7,9 @@ the interpreter runs every program in Python.
 
 from __future__ import annotations
 
-import importlib
-import os
-import sys
-
 import pytest
 import torch
+from interpreted import interpreted_kernels
 
 import tqkv_compile
 from tqkv_compile.backends import get_backend, use_backend
@@ -21,15 +18,6 @@ from tqkv_compile.codec import get_preset, own_preset_names, preset_names
 pytestmark = pytest.mark.interpret
 triton = pytest.importorskip("triton")
 
-_KERNEL_MODULES = [
-    "tqkv_compile.lowerings.triton_general",
-    "tqkv_compile.lowerings.triton_kv_dot",
-    "tqkv_compile.lowerings.triton_attention",
-    "tqkv_compile.lowerings.triton_query",
-    "tqkv_compile.lowerings.triton_kv_write",
-    "tqkv_compile.lowerings.triton_dequant",
-    "tqkv_compile.lowerings.dependent_launch",
-]
 PRESETS = preset_names()
 HEAD_DIMS = (64, 128, 256)
 BLOCK = 16
@@ -39,17 +27,8 @@ KV_HEADS = 2
 @pytest.fixture(scope="module", autouse=True)
 def interpreter():
     """Define the kernels under the interpreter; restore the environment afterwards."""
-    previous = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    for name in _KERNEL_MODULES:  # a module imported earlier without the interpreter is defined again
-        sys.modules.pop(name, None)
-    for name in reversed(_KERNEL_MODULES):
-        importlib.import_module(name)
-    yield
-    if previous is None:
-        os.environ.pop("TRITON_INTERPRET", None)
-    else:
-        os.environ["TRITON_INTERPRET"] = previous
+    with interpreted_kernels():
+        yield
 
 
 def _strided_cache(preset, num_blocks: int, fill: int | None = None, pad: int = 0, block: int = BLOCK) -> torch.Tensor:

@@ -188,8 +188,8 @@ def worker(args: argparse.Namespace) -> int:
         # variants; vLLM 0.20's FA2 decode module, compiled from PTX on sm_90) stays out of the timing
         llm.generate(prompts, tokens(3), use_tqdm=False)
         # and once more on the same prompts, now in the prefix cache: the path the timed runs take (the last
-        # block's prefill over a cached prefix, then decode). Its first use costs ~1 s on the H200 in the tqkv
-        # engine (cb1ef13: the first timed pair's 2-token run took that much longer than the later ones)
+        # block's prefill over a cached prefix, then decode). Its first use costs ~1 s in the tqkv engine (the
+        # first timed pair's 2-token run took that much longer than the later ones)
         llm.generate(prompts, tokens(3), use_tqdm=False)
         # fresh prompts: the prefill is timed whole, and leaves them in the prefix cache for the decode runs
         prompts = [{"prompt_token_ids": [rng.randrange(3, vocab) for _ in range(P)]} for _ in range(B)]
@@ -422,7 +422,7 @@ def summary(records: list[dict]) -> str:
         if "error" in r:
             lines.append(f"{r['config']:36s} {case:>16s}  error: {_error_line(r['error'])}")
         else:
-            step = r.get("decode_step_ms")  # absent in records of the old measurement (before e11679c)
+            step = r.get("decode_step_ms")  # absent in records of the old measurement (older result files)
             lines.append(f"{r['config']:36s} {case:>16s} {r['decode_tok_s']:13.1f} "
                          f"{'-' if step is None else f'{step:.3f}':>9s} {r['prefill_s']:10.3f} "
                          f"{r['start_s']:8.1f} {r['kv_capacity_tokens']:11d}")

@@ -23,7 +23,7 @@ options whose defaults are vLLM's behaviour:
   rotation all coordinates have the same distribution, so which ones get the bit does not matter.
 - ``norm_at_write``: the norm correction done once, at the write: the stored key norm is ``||k|| / ||c||`` (c the
   gathered centroid vector), so no reader renormalises. The reconstruction is a "nc" preset's; decode skips a
-  sum of squares over every key it reads (measured on the H200: 4bit_nc's decode kernel 7-11% faster).
+  sum of squares over every key it reads (a faster decode kernel: docs/performance-history.md).
 
 Each own preset names the vLLM preset it rides on (``rides_on``): its slot is no larger than that preset's at
 every supported head size, so the cache vLLM allocates for that preset holds it (the slot's unused tail is
@@ -108,8 +108,8 @@ def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
 
 def unpack_codes(packed: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
     """uint8 [..., dim * bits / 8] -> int64 [..., dim]; inverse of :func:`pack_codes`. Byte-aligned widths (4 and
-    8 bits: vLLM's 4-bit codes, our 8-bit ones) split the bytes themselves (the reference backend's CPU decode
-    at 4 x 2048 positions, 3 kv heads, head 64: 2.4 -> 0.8 ms for the keys' codes), the others go through
+    8 bits: vLLM's 4-bit codes, our 8-bit ones) split the bytes themselves (about 3x faster on the CPU than
+    the word path), the others go through
     :func:`_unpack_words`."""
     if packed.shape[-1] * 8 != dim * bits:
         raise ValueError(f"packed: {packed.shape[-1]} bytes do not hold {dim} codes of {bits} bits")

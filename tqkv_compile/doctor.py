@@ -50,7 +50,7 @@ def findings() -> list[Finding]:
         out.append(Finding("vllm", f"{vllm_version} (supported: {supported})"))
     else:
         out.append(Finding("vllm", f"{vllm_version or 'not installed'}: tqkv stays off ({reason})",
-                           f"install a supported vLLM ({supported}); see the README's support table"))
+                           f"install a supported vLLM ({supported}); see the README's Support section"))
     if cuda:
         index = torch.cuda.current_device()
         capability = torch.cuda.get_device_capability(index)
