@@ -29,7 +29,7 @@ tile (warp w: positions 16 w .. 16 w + 15 for the keys), head size D = 128 or 25
 
 Loops (constexprs): STAGE 1 / 2 load a position's words as a warp's run and move them into the layouts above
 through shared memory (each thread loading its fragments' own words makes a warp's load instruction touch 8-11
-cache lines: ``bench/load_lines.py``), and read 3-bit fields too: a group's three words in one thread, repacked
+cache lines), and read 3-bit fields too: a group's three words in one thread, repacked
 into the 4-bit words' format (:func:`_spread3x8`) before the move, 3-bit keys looked up by :func:`_lut3_pairs`;
 PREFETCH 1 / 2 load a tile ahead (2 the default: :func:`default_prefetch`).
 

@@ -1,5 +1,5 @@
 """``tqkv warm-fa2``: its parallel runner with stand-in commands, what it does where there is nothing to warm (this
-CPU machine), and the commands it would run. (The FA2 calls themselves need a Hopper GPU: ``bench/h200_session.sh
+CPU machine), and the commands it would run. (The FA2 calls themselves need a Hopper GPU: ``bench/hopper_session.sh
 fa2`` measured them on an H200, ``bench/results/h200-fa2-first-call.json``.)"""
 
 from __future__ import annotations

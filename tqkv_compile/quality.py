@@ -169,9 +169,8 @@ class KVRoundTrip:
     def compressed(self, layer: int) -> bool:
         return BOUNDARY_LAYERS <= layer < self.num_layers - BOUNDARY_LAYERS
 
-    def __call__(self, layer: int, key: torch.Tensor, value: torch.Tensor, query: torch.Tensor | None = None):
-        """key, value [B, Hk, T, D] (after RoPE) -> the same, as read from the cache. ``query`` (the layer's, [B,
-        Hq, T, D]): not used here; round trips that calibrate on it (bench/quality_explore.py) read it."""
+    def __call__(self, layer: int, key: torch.Tensor, value: torch.Tensor):
+        """key, value [B, Hk, T, D] (after RoPE) -> the same, as read from the cache."""
         if self.row == "fp8":
             return tuple(t.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).to(t.dtype) for t in (key, value))
         if self.row == "bf16" or not self.compressed(layer):
@@ -193,7 +192,7 @@ def install_round_trip(model, round_trip: KVRoundTrip | None = None) -> KVRoundT
         round_trip = KVRoundTrip(model.config.num_hidden_layers)
 
     def attention(module, query, key, value, attention_mask, **kwargs):
-        key, value = round_trip(module.layer_idx, key, value, query)
+        key, value = round_trip(module.layer_idx, key, value)
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
     AttentionInterface.register(ATTENTION_NAME, attention)
@@ -219,19 +218,14 @@ def fp32_head(model) -> torch.Tensor:
 
 
 @torch.no_grad()
-def perplexity(model, head: torch.Tensor, chunks: list[torch.Tensor], label: str,
-               on_window=None) -> tuple[float, int]:
-    """(perplexity, evaluated tokens) of teacher-forced ``chunks``; ``on_window(i, logits, nll)``, if given,
-    sees each window's fp32 logits [tokens, vocab] and summed negative log-likelihood (experiments' extra
-    measures: bench/quality_explore.py)."""
+def perplexity(model, head: torch.Tensor, chunks: list[torch.Tensor], label: str) -> tuple[float, int]:
+    """(perplexity, evaluated tokens) of teacher-forced ``chunks`` (each a window of token ids)."""
     nll, count = 0.0, 0
     start = time.time()
     for i, chunk in enumerate(chunks):
         hidden = model.model(chunk[None, :-1]).last_hidden_state[0].float()
         logits = hidden @ head.T
         window = float(torch.nn.functional.cross_entropy(logits, chunk[1:], reduction="sum"))
-        if on_window is not None:
-            on_window(i, logits, window)
         nll += window
         count += chunk.numel() - 1
         _log(f"  {label}: window {i + 1}/{len(chunks)}, running ppl {math.exp(nll / count):.3f}, "
