@@ -20,10 +20,8 @@ recorded with their error; the JSON is rewritten after every run, so a run that 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -146,13 +144,9 @@ def main(argv: list[str] | None = None) -> int:
             common += ["--prompt-ids", text_prompts(args.model, args.prompts, os.path.join(log_dir, "prompts.json"))]
         except Exception as exc:  # noqa: BLE001  (no tokenizer: say so, and go on with random token ids)
             _say(f"--text: no tokenizer for {args.model} ({exc}); random token-id prompts instead")
-    commit = os.environ.get("TQKV_COMMIT") or subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True,
-                                                             text=True).stdout.strip()
-    import torch
+    from tqkv_compile.run_meta import run_meta
 
-    meta = dict(command="python bench/agreement.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-                date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), commit=commit,
-                device=torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU", torch=torch.__version__)
+    meta = run_meta("python bench/agreement.py " + " ".join(argv if argv is not None else sys.argv[1:]))["meta"]
     results: dict[str, dict] = {}
     summary: dict[str, dict] = {}
     forced_file = None

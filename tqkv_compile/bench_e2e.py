@@ -46,10 +46,8 @@ comparing outputs; agreement is checked with a real model (SmolLM2), not here.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import re
 import statistics
 import subprocess
@@ -390,27 +388,9 @@ def _run_child(cmd: list[str], env: dict, timeout: float, on_stdout) -> tuple[st
 
 
 def _meta(argv: list[str], model: str) -> dict:
-    import torch
+    from tqkv_compile.run_meta import run_meta
 
-    try:
-        import vllm
-
-        vllm_version = vllm.__version__
-    except Exception:  # noqa: BLE001
-        vllm_version = None
-    commit = os.environ.get("TQKV_COMMIT")
-    if not commit:
-        try:
-            commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                                    cwd=Path(__file__).parent).stdout.strip() or None
-        except OSError:
-            commit = None
-    device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"{platform.machine()} CPU, {os.cpu_count()} cores"
-    return {"meta": dict(command="tqkv bench e2e " + " ".join(argv),
-                         date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                         commit=commit, device=device, torch=torch.__version__, vllm=vllm_version, model=model,
-                         tqkv_env={k: v for k, v in sorted(os.environ.items())
-                                   if k.startswith("TQKV_") and k != "TQKV_COMMIT"})}
+    return run_meta("tqkv bench e2e " + " ".join(argv), model=model)
 
 
 def summary(records: list[dict]) -> str:

