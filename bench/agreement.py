@@ -26,7 +26,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from tqkv_compile.demo import compare_forced, compare_logprobs, run_engine
+from tqkv_compile.vllm.engine_runs import compare_forced, compare_logprobs, run_engine
 
 # name -> engine_run arguments on top of the common ones (most important first: the order they run in)
 RUNS = {

@@ -17,7 +17,7 @@ def main() -> None:
     from vllm import LLM, SamplingParams
 
     import tqkv_compile.vllm
-    from tqkv_compile.demo import builtin_model
+    from tqkv_compile.model_config import builtin_model
     from tqkv_compile.vllm import serving
 
     model = sys.argv[1] if len(sys.argv) > 1 else builtin_model()

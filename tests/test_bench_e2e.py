@@ -13,7 +13,7 @@ import pytest
 
 from processes import gone
 from tqkv_compile import bench_e2e
-from tqkv_compile.demo import builtin_model
+from tqkv_compile.model_config import builtin_model
 
 
 def test_configs_and_cases_are_parsed_or_refused_by_name():

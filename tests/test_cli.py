@@ -38,14 +38,14 @@ def test_a_model_folder_vllm_cannot_read_is_named(tmp_path, command):
 
 def test_a_multimodal_config_is_read_through_its_text_config(tmp_path):
     """The language model's shape nested as text_config (e.g. Gemma 3) is what the demo sizes the cache by."""
-    from tqkv_compile import demo
+    from tqkv_compile import model_config
 
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["Gemma3ForConditionalGeneration"],
                                                       "text_config": {"num_attention_heads": 8, "num_key_value_heads": 4,
                                                                       "num_hidden_layers": 6, "vocab_size": 1000,
                                                                       "hidden_size": 1024}}))
-    demo.check_model("demo", str(tmp_path))
-    assert demo.model_shape(str(tmp_path)) == (6, 4, 128)
+    model_config.check_model("demo", str(tmp_path))
+    assert model_config.model_shape(str(tmp_path)) == (6, 4, 128)
 
 
 def test_quality_names_an_unknown_preset_and_the_valid_ones(capsys):

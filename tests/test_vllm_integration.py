@@ -14,7 +14,8 @@ import json
 import pytest
 from expecttest import assert_expected_inline
 
-from tqkv_compile.demo import builtin_model, compare_forced, compare_logprobs
+from tqkv_compile.model_config import builtin_model
+from tqkv_compile.vllm.engine_runs import compare_forced, compare_logprobs
 from tqkv_compile.passes.graph_text import attention_blocks
 
 pytestmark = pytest.mark.vllm

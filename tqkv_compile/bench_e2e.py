@@ -286,7 +286,7 @@ def _warm_fa2(model: str, timeout: float) -> dict:
     GPU has no native code in vLLM's FA2 (its boundary layers' kernels), that engine would otherwise compile
     them one by one in its first steps (minutes; on an H100 the first such engine of a bare machine passed a
     330 s limit). Never in the way of the benchmark: any error is recorded and the configurations run."""
-    from tqkv_compile.demo import model_shape
+    from tqkv_compile.model_config import model_shape
     from tqkv_compile.vllm import fa2_warm
 
     try:

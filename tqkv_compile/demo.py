@@ -9,31 +9,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
-import re
-import subprocess
 import sys
 import tempfile
-import time
-from importlib import resources
 
-from tqkv_compile.codec import get_preset
-
-
-def builtin_model(name: str = "tiny-llama") -> str:
-    return str(resources.files("tqkv_compile") / "models" / name)
-
-
-def positive_int(text: str) -> int:
-    """argparse type: an integer >= 1."""
-    try:
-        number = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if number < 1:
-        raise argparse.ArgumentTypeError(f"expected at least 1, got {number}")
-    return number
+from tqkv_compile.argtypes import positive_int
+from tqkv_compile.model_config import builtin_model, check_model, kv_bytes_per_token
+from tqkv_compile.vllm.engine_runs import compare_logprobs, run_engine
 
 
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
@@ -45,30 +27,6 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-dtype", default="turboquant_4bit_nc", choices=preset_names(), metavar="PRESET",
                    help="vLLM's TurboQuant preset (default %(default)s; one of: %(choices)s). Presets of ours ride "
                         "on one of these: the demo's --preset, or TQKV_PRESET=NAME in the environment (README)")
-
-
-def text_config(config: dict) -> dict:
-    """The language model's part of a model's config.json (multimodal configs nest it as ``text_config``)."""
-    return config.get("text_config") or config
-
-
-def check_model(command: str, model: str) -> None:
-    """A one-line exit for a model folder vLLM could not read, or whose shape the demo cannot read (else: a
-    stack trace, minutes later)."""
-    config = os.path.join(model, "config.json")
-    if not os.path.isfile(config):
-        raise SystemExit(f"tqkv {command}: --model {model}: no config.json there")
-    try:
-        with open(config) as f:
-            cfg = text_config(json.load(f))
-    except (OSError, ValueError, AttributeError) as exc:
-        raise SystemExit(f"tqkv {command}: --model {model}: config.json is not readable JSON ({exc})") from None
-    missing = [key for key in ("num_attention_heads", "num_hidden_layers", "vocab_size") if key not in cfg]
-    if "head_dim" not in cfg and "hidden_size" not in cfg:
-        missing.append("head_dim or hidden_size")
-    if missing:
-        raise SystemExit(f"tqkv {command}: --model {model}: config.json (or its text_config) has no "
-                         f"{', '.join(missing)}")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -93,95 +51,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def _say(message: str) -> None:
     print(f"[tqkv] {message}", file=sys.stderr, flush=True)
-
-
-def run_engine(label: str, model: str, argv: list[str], log_dir: str, timeout: float | None = None) -> dict:
-    """One engine run in a child process, with a heartbeat while vLLM starts; returns its result dict.
-    ``timeout``: seconds, after which the child is killed and this raises."""
-    log_path = os.path.join(log_dir, re.sub(r"[^A-Za-z0-9]+", "_", label).strip("_") + ".log")
-    env = dict(os.environ)
-    env.pop("TRITON_INTERPRET", None)  # the demo runs the CPU's PyTorch backend, not interpreted kernels
-    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    command = [sys.executable, "-m", "tqkv_compile.vllm.engine_run", "--model", model, *argv]
-    _say(f"{label}: starting vLLM (log: {log_path})")
-    started = time.monotonic()
-    with open(log_path, "w") as log:
-        child = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
-        while True:
-            try:
-                child.wait(timeout=15)
-                break
-            except subprocess.TimeoutExpired:
-                _say(f"{label}: {time.monotonic() - started:.0f} s ...")
-                if timeout is not None and time.monotonic() - started > timeout:
-                    child.kill()
-                    child.wait()
-                    break
-    with open(log_path) as log:
-        lines = log.read().splitlines()
-    results = [line for line in lines if line.startswith("TQKV_RESULT ")]
-    if child.returncode != 0 or not results:
-        tail = "\n".join(lines[-25:])
-        raise RuntimeError(f"{label}: the vLLM run failed (exit {child.returncode}); last lines of {log_path}:\n{tail}")
-    _say(f"{label}: done in {time.monotonic() - started:.0f} s")
-    return json.loads(results[-1].split(" ", 1)[1])
-
-
-def compare_logprobs(a: dict, b: dict) -> tuple[bool, float, float]:
-    """(same greedy tokens, largest |logprob difference| over the tokens both runs report in their top-k,
-    fraction of generated tokens before each sequence's first differing token). Logprobs are compared up to
-    and including each sequence's first differing step (after it the two runs see different text)."""
-    same, largest, agree, total = True, 0.0, 0, 0
-    for ta, tb, la, lb in zip(a["tokens"], b["tokens"], a["logprobs"], b["logprobs"]):
-        total += len(ta)
-        for step, (x, y) in enumerate(zip(ta, tb)):
-            for token in set(la[step]) & set(lb[step]):
-                if math.isfinite(la[step][token]) and math.isfinite(lb[step][token]):
-                    largest = max(largest, abs(la[step][token] - lb[step][token]))
-            if x != y:
-                same = False
-                break
-            agree += 1
-    return same, largest, agree / max(total, 1)
-
-
-def compare_forced(a: dict, b: dict) -> dict:
-    """Two runs on the same tokens: the fraction of positions where their first choices agree, and the largest /
-    mean |difference| of the token's logprob."""
-    agree = total = 0
-    diffs = []
-    for ids, top_a, top_b, la, lb in zip(a["tokens"], a["top1"], b["top1"], a["logprobs"], b["logprobs"]):
-        for step, token in enumerate(ids):
-            total += 1
-            agree += top_a[step] == top_b[step]
-            x, y = la[step].get(str(token)), lb[step].get(str(token))
-            if x is not None and y is not None and math.isfinite(x) and math.isfinite(y):
-                diffs.append(abs(x - y))
-    return dict(mode="forced", positions=total, first_choice_agreement=round(agree / max(total, 1), 4),
-                forced_token_logprob_diff_max=round(max(diffs, default=0.0), 5),
-                forced_token_logprob_diff_mean=round(sum(diffs) / max(len(diffs), 1), 5))
-
-
-def model_shape(model: str) -> tuple[int, int, int]:
-    """(layers, kv heads, head size) from a model folder's config.json (a multimodal config's text part)."""
-    with open(os.path.join(model, "config.json")) as f:
-        cfg = text_config(json.load(f))
-    heads = cfg["num_attention_heads"]
-    kv_heads = cfg.get("num_key_value_heads") or heads
-    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
-    return cfg["num_hidden_layers"], kv_heads, head_dim
-
-
-def kv_bytes_per_token(model: str, preset: str, compressed_layers: int) -> tuple[int, int]:
-    """(bytes per token over all layers with the TurboQuant layers packed, the same all in bf16)."""
-    layers, kv_heads, head_dim = model_shape(model)
-    bf16_layer = kv_heads * head_dim * 2 * 2
-    try:
-        slot = get_preset(preset, head_dim).slot_bytes
-    except ValueError:
-        slot = head_dim * 4
-    tq_layer = kv_heads * slot
-    return compressed_layers * tq_layer + (layers - compressed_layers) * bf16_layer, layers * bf16_layer
 
 
 def run(args: argparse.Namespace) -> int:

@@ -44,7 +44,7 @@ def default_rows() -> list[str]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from tqkv_compile.demo import positive_int
+    from tqkv_compile.argtypes import positive_int
 
     parser.add_argument("--presets", default=",".join(default_rows()),
                         help="comma-separated rows: bf16, fp8, vLLM's TurboQuant presets and tqkv's own "

@@ -113,7 +113,7 @@ def run(args: argparse.Namespace) -> dict:
     llm = LLM(**kwargs)
     start_s = time.perf_counter() - started
     config = llm.llm_engine.vllm_config
-    from tqkv_compile.demo import text_config
+    from tqkv_compile.model_config import text_config
 
     with open(os.path.join(args.model, "config.json")) as f:
         vocab = text_config(json.load(f))["vocab_size"]
