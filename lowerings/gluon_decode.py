@@ -64,6 +64,8 @@ except ImportError:  # pragma: no cover - older triton
     gluon = None
 
 from tqkv_compile.codec import Preset
+from tqkv_compile.lowerings.cache_tables import halves_span
+from tqkv_compile.lowerings.cache_tables import key_lut as stream_lut
 
 BLOCK_N = 64
 NUM_WARPS = 4
@@ -287,9 +289,7 @@ def supports(preset: Preset, kv_cache: torch.Tensor, group: int, device: torch.d
         return "the cache's fields and strides must be 2-byte aligned"
     if preset.key_fp8 and any(o % 4 for o in offsets[:4]):
         return "fp8 keys are read as 32-bit words: the cache's slots must be 4-byte aligned"
-    from tqkv_compile.lowerings.triton_attention import _halves_span
-
-    if _halves_span(kv_cache) >= 2**31:
+    if halves_span(kv_cache) >= 2**31:
         return "the cache view spans 2^31 half-words or more: the fragment kernel indexes in int32"
     return None
 
@@ -400,12 +400,10 @@ _LUTS: dict[tuple[str, int, str], torch.Tensor] = {}
 
 
 def key_lut(preset: Preset, device: torch.device) -> torch.Tensor:
-    """The stream kernel's key table (:func:`triton_attention.key_lut`, 8 int32) twice, built once per preset
+    """The stream kernel's key table (:func:`cache_tables.key_lut`, 8 int32) twice, built once per preset
     and device (before CUDA-graph capture: ``TritonBackend.warm``): the kernel loads the copy its lane's parity
     names. (The stream kernel had the same trick for a while and reverted it: fewer instructions, no faster
     there.)"""
-    from tqkv_compile.lowerings.triton_attention import key_lut as stream_lut
-
     key = (preset.name, preset.head_dim, str(device))
     if key not in _LUTS:
         lut = stream_lut(preset, device)

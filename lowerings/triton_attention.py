@@ -35,6 +35,7 @@ import triton.language as tl
 
 from tqkv_compile.codec import Preset
 from tqkv_compile.lowerings import dependent_launch, gluon_decode
+from tqkv_compile.lowerings.cache_tables import halves_span, key_lut
 from tqkv_compile.lowerings.dependent_launch import wait_and_release
 from tqkv_compile.lowerings.triton_query import prepare_query
 from tqkv_compile.rotation import hadamard
@@ -875,11 +876,6 @@ def _base_offset(t: torch.Tensor) -> int:
     return t.storage_offset() * t.element_size()
 
 
-def _halves_span(kv_cache: torch.Tensor) -> int:
-    """How many 2-byte units the kernel can address from the view's start: the last byte any index reaches."""
-    return (sum((size - 1) * stride for size, stride in zip(kv_cache.shape, kv_cache.stride())) + 2) // 2
-
-
 def stream_words(preset: Preset, kv_cache: torch.Tensor, asm: bool) -> tuple[int, int, bool] | None:
     """(key word bytes, value word bytes, asm) the stream kernel reads this cache with, or None where it
     cannot: it takes vLLM's four layouts (fp8, 4-bit or 3-bit Lloyd-Max keys; 4-bit or 3-bit uniform values),
@@ -906,31 +902,7 @@ def stream_words(preset: Preset, kv_cache: torch.Tensor, asm: bool) -> tuple[int
     return key_word, value_word, asm
 
 
-_LUTS: dict[tuple[str, int, str], torch.Tensor] = {}
 _SIGNS: dict[tuple[int, str], torch.Tensor] = {}
-
-
-def _lut_words(table: torch.Tensor) -> torch.Tensor:
-    """16 fp16 entries -> int32 [8]: low bytes of entries 0-3, 4-7, 8-11, 12-15, then high bytes (see
-    :func:`_lut4_fp16`)."""
-    b = table.to(torch.float16).view(torch.uint8).view(16, 2).to(torch.int64)
-    words = [sum(int(b[4 * w + i, half]) << (8 * i) for i in range(4)) for half in (0, 1) for w in range(4)]
-    return torch.tensor([w - (1 << 32) if w >= 1 << 31 else w for w in words], dtype=torch.int32)
-
-
-def key_lut(preset: Preset, device: torch.device) -> torch.Tensor:
-    """The stream kernel's key table for :func:`_lut4_fp16` / :func:`_lut3_fp16` on ``device``, built once (from
-    the CPU tables, so no device-to-host copy): the key centroids in fp16, 3-bit tables padded to 16 entries
-    with zeros (a placeholder for fp8 keys). Built before CUDA-graph capture by ``TritonBackend.warm``.
-    (Uniform value codes need no table: :func:`_codes4_fp16_odd16`, :func:`_values3_f16`.)"""
-    key = (preset.name, preset.head_dim, str(device))
-    if key not in _LUTS:
-        cents = torch.zeros(16, dtype=torch.float32)
-        if not preset.key_fp8 and preset.key_bits in (3, 4):  # (other widths: no stream kernel, a placeholder)
-            table = preset.centroids("cpu").float()
-            cents[:table.numel()] = table
-        _LUTS[key] = _lut_words(cents).to(device)
-    return _LUTS[key]
 
 
 def rotation_signs(dim: int, device: torch.device) -> torch.Tensor:
@@ -1082,7 +1054,7 @@ def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: t
             KEY_BITS=preset.key_bits, KEY_CODE_BYTES=preset.key_code_bytes, NORM_CORRECTION=preset.norm_correction,
             VALUE_BITS=preset.value_bits, VALUE_OFFSET=preset.key_bytes, VALUE_CODE_BYTES=preset.value_code_bytes, DOT_FP32=interpret,
             KEY_WORD=words[0], VALUE_WORD=words[1], ASM=words[2], PREFETCH=bool(prefetch),
-            INDEX32=index32 is not False and _halves_span(kv_cache) < 2**31,
+            INDEX32=index32 is not False and halves_span(kv_cache) < 2**31,
             QUERY_IN_KERNEL=query_in_kernel, ROTATE_QUERY=rotate and query_in_kernel,
             Q_PRE=q_pre if query_in_kernel else 1.0, Q_POST=q_scale / q_pre if query_in_kernel else 1.0,
             num_warps=num_warps or 4, num_stages=num_stages or 1,

@@ -65,7 +65,7 @@ def test_every_presets_tables_build(preset_name):
     """The op inputs carrying a preset's tables build for every preset, ours included (5-bit keys have no
     stream-kernel table and get a placeholder); where the stream kernel reads the keys (3- and 4-bit Lloyd-Max)
     the fp16 lookup table's entries are the preset's centroids in order."""
-    from tqkv_compile.lowerings.triton_attention import _lut_words
+    from tqkv_compile.lowerings.cache_tables import _lut_words
 
     t = inductor_ops.tables(preset_name, 64, torch.device("cpu"))
     preset = tqkv_compile.get_preset(preset_name, 64)

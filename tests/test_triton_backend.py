@@ -646,7 +646,7 @@ def test_presets_of_ours_in_the_triton_kernels(preset_name, dim, monkeypatch):
 def test_warm_builds_every_table_before_the_first_call():
     """vLLM captures CUDA graphs where host-to-device copies fail: ``warm`` (called from our impl's
     process_weights_after_loading) leaves nothing for the first call to build."""
-    from tqkv_compile.lowerings import triton_attention
+    from tqkv_compile.lowerings import cache_tables, triton_attention
 
     backend = get_backend("triton")
     device = torch.device("cpu")
@@ -657,9 +657,9 @@ def test_warm_builds_every_table_before_the_first_call():
             assert ("general", name, 128, "cpu") in backend._general
         else:
             assert (name, 128, "cpu") in backend._tables
-            assert (name, 128, "cpu") in triton_attention._LUTS
+            assert (name, 128, "cpu") in cache_tables._LUTS
             assert (128, "cpu") in triton_attention._SIGNS
-    key_lut = triton_attention._LUTS[("turboquant_4bit_nc", 128, "cpu")]
+    key_lut = cache_tables._LUTS[("turboquant_4bit_nc", 128, "cpu")]
     assert key_lut.dtype == torch.int32 and key_lut.shape == (8,)
 
 
@@ -670,10 +670,10 @@ def test_tables_stay_fp32_when_vllm_loads_under_a_bf16_default_dtype(preset_name
     the reference (on the H200 the first real run failed here: a bf16 rotation in an fp32 tl.dot)."""
     from tqkv_compile import lloyd_max, rotation
     from tqkv_compile.backends.triton import TritonBackend
-    from tqkv_compile.lowerings import triton_attention
+    from tqkv_compile.lowerings import cache_tables, triton_attention
 
-    saved = (dict(rotation._on_device), dict(triton_attention._LUTS))
-    rotation._on_device.clear(), triton_attention._LUTS.clear()
+    saved = (dict(rotation._on_device), dict(cache_tables._LUTS))
+    rotation._on_device.clear(), cache_tables._LUTS.clear()
     rotation._hadamard_cpu.cache_clear(), lloyd_max._tables.cache_clear()
     preset = get_preset(preset_name, 64)
     backend = TritonBackend()
@@ -697,8 +697,8 @@ def test_tables_stay_fp32_when_vllm_loads_under_a_bf16_default_dtype(preset_name
         out = backend.attention(query, cache, table, lens, starts, 0.125, preset)
     finally:
         torch.set_default_dtype(previous)
-        rotation._on_device.clear(), triton_attention._LUTS.clear()
-        rotation._on_device.update(saved[0]), triton_attention._LUTS.update(saved[1])
+        rotation._on_device.clear(), cache_tables._LUTS.clear()
+        rotation._on_device.update(saved[0]), cache_tables._LUTS.update(saved[1])
         rotation._hadamard_cpu.cache_clear(), lloyd_max._tables.cache_clear()
     expected_cache = _strided_cache(preset, 4, fill=0)
     get_backend("reference").kv_write(key, value, expected_cache, torch.arange(20), preset)
