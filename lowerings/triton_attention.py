@@ -318,11 +318,13 @@ def _decode_split_kernel(
         if VALUE_BITS == 4:
             even, odd = _load_nibbles(cache_ptr, vbase, valid, s_byte, D)
             # each tile's dot from zero, added in fp32 (_decode_stream_kernel says why)
-            acc_a = tl.fma(acc_a, alpha[:, None], tl.dot(ps, _codes_f16(even).to(DTYPE)))
-            acc_b = tl.fma(acc_b, alpha[:, None], tl.dot(ps, _codes_f16(odd).to(DTYPE)))
+            rescale = tl.broadcast_to(alpha[:, None], acc_a.shape)
+            acc_a = tl.fma(acc_a, rescale, tl.dot(ps, _codes_f16(even).to(DTYPE)))
+            acc_b = tl.fma(acc_b, rescale, tl.dot(ps, _codes_f16(odd).to(DTYPE)))
         else:
             codes = _load_codes3(cache_ptr, vbase, valid, s_byte, D)
-            acc_a = tl.fma(acc_a, alpha[:, None], tl.dot(ps, _codes_f16(codes).to(DTYPE)))
+            rescale = tl.broadcast_to(alpha[:, None], acc_a.shape)
+            acc_a = tl.fma(acc_a, rescale, tl.dot(ps, _codes_f16(codes).to(DTYPE)))
 
     inv = 1.0 / l_i
     shift = shift * inv
@@ -756,7 +758,8 @@ def _decode_stream_kernel(
         # was): the tensor cores' accumulation does not round to nearest, and carried over a whole split its
         # loss grows with the tiles, then shows through the code / zero-point cancellation (docs/kernels.md).
         # (tl.fma, not +: Triton folds dot(a, b, 0) + c back into dot(a, b, c).)
-        acc = tl.fma(acc, alpha[None, :], tl.dot(tl.trans(vcodes), ps, input_precision=PRECISION))
+        rescale = tl.broadcast_to(alpha[None, :], acc.shape)
+        acc = tl.fma(acc, rescale, tl.dot(tl.trans(vcodes), ps, input_precision=PRECISION))
 
         if PREFETCH:
             kw, vw, vscale, vzero, knorm = kw_n, vw_n, vscale_n, vzero_n, knorm_n
