@@ -69,15 +69,24 @@ def test_every_kind_of_row_agrees_with_the_reference(preset_name, dtype, order, 
     torch.testing.assert_close(out.float(), expected.float(), **tolerance)
     assert not out[s.query.shape[0]:].any()
     rows = torch.cat([torch.arange(int(s.query_start_loc[b]), int(s.query_start_loc[b + 1])) for b in short])
-    # the reference's own attention, row for row: the short rows' sub-batch (a 3-token chunk among them) takes
-    # its per-sequence loop, as the whole batch does there (a batch of decodes alone would take its batched
-    # decode, equal only to rounding)
+    # without the native CPU decode kernel (TQKV_CPU_KERNEL=0), the reference's own attention, row for row: the
+    # short rows' sub-batch (a 3-token chunk among them) takes its per-sequence loop, as the whole batch does
+    # there (a batch of decodes alone would take its batched decode, equal only to rounding)
+    monkeypatch.setenv("TQKV_CPU_KERNEL", "0")
+    out = get_backend("pytorch").attention(*args, key=key, value=value, out=torch.full_like(query, float("nan")))
     assert torch.equal(out[rows], expected[rows])
 
 
-def test_a_pure_decode_batch_is_the_references_answer_written_into_out():
+def test_a_pure_decode_batch_is_the_references_answer_written_into_out(monkeypatch):
+    """Through the native CPU decode kernel: the reference's answer to fp32 rounding; without it
+    (``TQKV_CPU_KERNEL=0``): the reference's answer itself."""
     s = build("turboquant_4bit_nc", lens=(9, 30, 17), new=(1, 1, 1), dtype=torch.float32, seed=5)
     args = (s.query, s.kv_cache, s.block_table, s.seq_lens, s.query_start_loc, 0.125, get_preset("turboquant_4bit_nc", 64))
+    expected = get_backend("reference").attention(*args)
     out = torch.full_like(s.query, float("nan"))
     assert get_backend("pytorch").attention(*args, out=out) is out
-    assert torch.equal(out, get_backend("reference").attention(*args))
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    monkeypatch.setenv("TQKV_CPU_KERNEL", "0")
+    out = torch.full_like(s.query, float("nan"))
+    assert get_backend("pytorch").attention(*args, out=out) is out
+    assert torch.equal(out, expected)

@@ -10,21 +10,36 @@ heads), and the validate mode compares every other backend against it. Same answ
 (SDPA's order of sums; with fp16 / bf16 queries the dense path also rounds the decoded keys and values and the
 rotated query to the query's dtype), same bytes written. It serves any device: on CUDA it is what is left
 where the Triton backend is not (no triton, or a preset its kernels do not read), with SDPA there too.
+
+On the CPU the decode rows (one or a few new tokens a sequence) go through a native kernel that reads the packed
+slots in place (:mod:`tqkv_compile.backends.cpu_kernel`, vLLM's slot layouts), and a decode step's kv_write
+(a few vectors) is encoded there too; the reference's attention (every cached position decoded to fp32, then
+matmuls) and encode serve the other presets and devices, and wherever the kernel cannot be built.
 """
 
 from __future__ import annotations
 
-from tqkv_compile.backends import prefill
+from tqkv_compile.backends import cpu_kernel, prefill
 from tqkv_compile.backends.reference import ReferenceBackend
 from tqkv_compile.codec import Preset
 
 
 class PyTorchBackend(ReferenceBackend):
-    """The reference's kv_write, kv_dot and decode; its attention routed by :func:`prefill.serve`."""
+    """The reference's kv_dot; its attention routed by :func:`prefill.serve`, the decode rows through the native CPU
+    kernel (:mod:`tqkv_compile.backends.cpu_kernel`) where it serves (CPU tensors, vLLM's slot layouts, a compiler
+    at first use, ``TQKV_CPU_KERNEL`` not 0), else the reference's attention; kv_write of a few vectors (decode
+    steps) through the kernel's encode there too, else the reference's."""
 
     name = "pytorch"
 
+    def kv_write(self, key, value, kv_cache, slot_mapping, preset: Preset) -> None:
+        """A few vectors (decode steps) through the kernel's encode where it serves, else the reference's."""
+        if cpu_kernel.serves_write(preset, key, kv_cache):
+            return cpu_kernel.kv_write(key, value, kv_cache, slot_mapping, preset)
+        return super().kv_write(key, value, kv_cache, slot_mapping, preset)
+
     def attention(self, query, kv_cache, block_table, seq_lens, query_start_loc, scale, preset: Preset, key=None,
                   value=None, out=None):
+        decode = cpu_kernel.attention if cpu_kernel.serves(preset, query, kv_cache) else super().attention
         return prefill.serve(query, kv_cache, block_table, seq_lens, query_start_loc, scale, preset, key, value,
-                             out, decode=super().attention)
+                             out, decode=decode)

@@ -1,0 +1,206 @@
+"""The native CPU decode attention (tqkv_compile/csrc/cpu_decode.cpp, tqkv_compile/backends/cpu_kernel.py)
+against the exact oracle: fp64 attention over the codec's decode of the very cache bytes.
+
+Both of its paths (AVX2 + FMA where this CPU has them, and the portable one) on every preset it serves at
+every head size, GQA groups 1 / 3 / 5 / 8, ragged batches up to 5000 positions with several query rows a
+sequence, flat and peaked attention, vLLM's strided CPU cache view, fp32 / bf16 / fp16 queries. Then how the
+PyTorch backend uses it: its decode rows, ``TQKV_CPU_KERNEL=0``, presets it does not serve, no compiler.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import tqkv_compile
+from tqkv_compile import oracle
+from tqkv_compile.backends import cpu_kernel
+from tqkv_compile.codec import get_preset, own_preset_names, preset_names
+
+L2_LIMIT, MAX_LIMIT = 0.01, 0.02
+SERVED = [name for name in preset_names() + own_preset_names() if get_preset(name, 64).vllm_layout]
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+pytestmark = pytest.mark.skipif(not cpu_kernel.load(), reason="the CPU decode kernel could not be built here")
+
+
+def _paged(preset, lens, rows, kv_heads, group, q_scale=1.0, dtype=torch.bfloat16, block=16, strided=False, seed=0):
+    """A cache with ``lens`` positions a sequence (N(0, 1) keys and values written by the reference's kv_write,
+    blocks shuffled, junk block ids past each sequence's blocks) and ``rows`` query rows a sequence: (cache,
+    block table, seq_lens, query_start_loc, query). ``strided``: vLLM's CPU allocation [NB, Hk, BS, 2 D]
+    permuted and sliced to the slot."""
+    g = torch.Generator().manual_seed(seed)
+    dim = preset.head_dim
+    blocks = [math.ceil(length / block) for length in lens]
+    num_blocks = sum(blocks) + 2
+    if strided:
+        base = torch.zeros(num_blocks, kv_heads, block, 2 * dim, dtype=torch.uint8)
+        cache = base.permute(0, 2, 1, 3)[..., : preset.slot_bytes]
+    else:
+        cache = torch.zeros(num_blocks, block, kv_heads, preset.slot_bytes, dtype=torch.uint8)
+    order = torch.randperm(num_blocks, generator=g)
+    table = torch.full((len(lens), max(blocks) + 1), 10_000, dtype=torch.int32)
+    used = 0
+    reference = tqkv_compile.get_backend("reference")
+    for b, length in enumerate(lens):
+        table[b, : blocks[b]] = order[used : used + blocks[b]].to(torch.int32)
+        used += blocks[b]
+        pos = torch.arange(length)
+        slots = table[b, pos // block].long() * block + pos % block
+        k = torch.randn(length, kv_heads, dim, generator=g)
+        v = torch.randn(length, kv_heads, dim, generator=g)
+        reference.kv_write(k, v, cache, slots, preset)
+    qsl = torch.tensor([0, *torch.tensor(rows).cumsum(0).tolist()], dtype=torch.int32)
+    query = (torch.randn(int(qsl[-1]), kv_heads * group, dim, generator=g) * q_scale).to(dtype)
+    return cache, table, torch.tensor(lens, dtype=torch.int32), qsl, query
+
+
+def _check(preset, case, vectorized, scale):
+    cache, table, lens, qsl, query = case
+    out = cpu_kernel.attention(query, cache, table, lens, qsl, scale, preset, vectorized=vectorized)
+    assert out.dtype == query.dtype and out.shape == query.shape
+    exact = oracle.exact_attention(query, cache, table, lens, qsl, scale, preset)
+    l2, worst = oracle.errors(out, exact)
+    assert l2 <= L2_LIMIT and worst <= MAX_LIMIT, f"l2_rel {l2:.2e}, max_rel {worst:.2e}"
+    if query.dtype == torch.float32:  # no output rounding: the kernel's own error, fp32 sums
+        assert l2 <= 1e-5 and worst <= 1e-4, f"fp32: l2_rel {l2:.2e}, max_rel {worst:.2e}"
+    return out
+
+
+@pytest.mark.parametrize("dim", [64, 128, 256])
+@pytest.mark.parametrize("preset_name", SERVED)
+def test_every_preset_and_head_size_is_within_tolerance_of_the_oracle(preset_name, dim):
+    """A ragged batch (1, 17, 300 and 5000 positions; 1, 3, 8 and 2 query rows), flat and peaked, both paths;
+    the group, the query dtype and the cache's layout vary with the case."""
+    preset = get_preset(preset_name, dim)
+    k = SERVED.index(preset_name) + [64, 128, 256].index(dim)
+    group, dtype, strided = [1, 3, 5, 8][k % 4], DTYPES[k % 3], k % 2 == 0
+    for q_scale in (1.0, 4.0):
+        case = _paged(preset, [1, 17, 300, 5000], [1, 3, 8, 2], kv_heads=2, group=group, q_scale=q_scale,
+                      dtype=dtype, strided=strided, seed=k)
+        fast = _check(preset, case, True, dim**-0.5)
+        portable = _check(preset, case, False, dim**-0.5)
+        torch.testing.assert_close(fast.float(), portable.float(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("group", [1, 3, 5, 8])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_gqa_groups_and_query_dtypes(group, dtype):
+    """Every query head of a group reads its kv head (h // group); several rows a sequence see their own
+    causal prefix; vLLM's strided view; the fp8-key preset and a 3-bit one."""
+    for name in ("turboquant_k8v4", "turboquant_3bit_nc"):
+        preset = get_preset(name, 128)
+        for q_scale in (1.0, 4.0):
+            case = _paged(preset, [33, 700, 5], [4, 1, 5], kv_heads=3, group=group, q_scale=q_scale, dtype=dtype,
+                          strided=True, seed=group)
+            _check(preset, case, True, 128**-0.5)
+            _check(preset, case, False, 128**-0.5)
+
+
+def test_query_rows_past_the_batch_are_zero_and_out_is_written():
+    """Padding rows (past query_start_loc[-1]) are zero; ``out`` (bf16, NaN-filled) is written and returned."""
+    preset = get_preset("turboquant_4bit_nc", 64)
+    cache, table, lens, qsl, query = _paged(preset, [40, 9], [1, 2], kv_heads=2, group=3)
+    padded = torch.cat([query, torch.randn(3, *query.shape[1:]).to(query.dtype)])
+    out = torch.full_like(padded, float("nan"))
+    assert cpu_kernel.attention(padded, cache, table, lens, qsl, 0.125, preset, out=out) is out
+    assert not out[query.shape[0]:].any()
+    torch.testing.assert_close(out[: query.shape[0]], cpu_kernel.attention(query, cache, table, lens, qsl, 0.125,
+                                                                          preset), atol=0, rtol=0)
+
+
+def test_the_pytorch_backend_serves_decode_rows_with_the_kernel(monkeypatch):
+    """A pure decode batch through ``tqkv::attention`` on the CPU takes the kernel (and the validate mode finds
+    it at float rounding from the reference); ``TQKV_CPU_KERNEL=0`` and a preset of other layout take the
+    reference's attention."""
+    calls = []
+    kernel = cpu_kernel.attention
+    monkeypatch.setattr(cpu_kernel, "attention", lambda *a, **k: calls.append(a[6].name) or kernel(*a, **k))
+    preset = get_preset("turboquant_4bit_nc", 64)
+    cache, table, lens, qsl, query = _paged(preset, [30, 200, 7], [1, 1, 1], kv_heads=2, group=3,
+                                            dtype=torch.float32, strided=True)
+    tqkv_compile.validation_reports(clear=True)
+    tqkv_compile.set_validate(True)
+    try:
+        out = torch.ops.tqkv.attention(query, cache, table, lens, qsl, 0.125, preset.name)
+    finally:
+        tqkv_compile.set_validate(None)
+    (report,) = tqkv_compile.validation_reports(clear=True)
+    assert calls == [preset.name] and report.backend == "pytorch" and report.max_abs_diff < 1e-5
+    reference = tqkv_compile.get_backend("reference").attention(query, cache, table, lens, qsl, 0.125, preset)
+    monkeypatch.setenv("TQKV_CPU_KERNEL", "0")
+    assert torch.equal(torch.ops.tqkv.attention(query, cache, table, lens, qsl, 0.125, preset.name), reference)
+    monkeypatch.delenv("TQKV_CPU_KERNEL")
+    own = get_preset("tqkv_k5v3", 64)
+    assert not own.vllm_layout and not cpu_kernel.supports_preset(own)
+    cache, table, lens, qsl, query = _paged(own, [30, 7], [1, 1], kv_heads=2, group=3, dtype=torch.float32)
+    torch.ops.tqkv.attention(query, cache, table, lens, qsl, 0.125, own.name)
+    assert calls == [preset.name]
+    torch.testing.assert_close(out, reference, atol=1e-5, rtol=1e-5)
+
+
+def test_without_a_compiler_one_line_says_so_and_the_pytorch_path_serves(monkeypatch, capsys):
+    """A build that fails (here: the build function raises, as with no compiler) leaves the kernel off for the
+    process, says so once on stderr, and the backend answers through the reference's attention."""
+    from torch.utils import cpp_extension
+
+    def no_compiler(*args, **kwargs):
+        raise RuntimeError("Error building extension: c++: command not found")
+
+    monkeypatch.setattr(cpu_kernel, "_loaded", None)
+    monkeypatch.setattr(cpu_kernel, "_registered", lambda: False)
+    monkeypatch.setattr(cpp_extension, "load", no_compiler)
+    preset = get_preset("turboquant_4bit_nc", 64)
+    cache, table, lens, qsl, query = _paged(preset, [12], [1], kv_heads=1, group=2, dtype=torch.float32)
+    for _ in range(2):
+        assert not cpu_kernel.serves(preset, query, cache)
+        out = tqkv_compile.get_backend("pytorch").attention(query, cache, table, lens, qsl, 0.125, preset)
+    err = capsys.readouterr().err
+    assert err.count("[tqkv] CPU decode kernel unavailable") == 1 and "PyTorch path" in err
+    reference = tqkv_compile.get_backend("reference").attention(query, cache, table, lens, qsl, 0.125, preset)
+    assert torch.equal(out, reference)
+
+
+@pytest.mark.parametrize("dim", [64, 128, 256])
+@pytest.mark.parametrize("preset_name", SERVED)
+def test_kv_write_stores_the_codecs_bytes(preset_name, dim):
+    """The kernel's encode (decode steps' kv_write) against ``Preset.encode``: the same bytes, but for a code
+    whose rotated coordinate sits within float rounding of a midpoint (its sums are fp64, torch's fp32), at
+    most 2 bytes of a case; negative slots skipped, the bytes past the slot in vLLM's allocation untouched."""
+    preset = get_preset(preset_name, dim)
+    g = torch.Generator().manual_seed(dim)
+    for dtype in DTYPES:
+        key = (torch.randn(40, 3, dim, generator=g) * 3).to(dtype)
+        value = torch.randn(40, 3, dim, generator=g).to(dtype)
+        base = torch.zeros(4, 3, 16, 2 * dim, dtype=torch.uint8)
+        cache = base.permute(0, 2, 1, 3)[..., : preset.slot_bytes]
+        slots = torch.randperm(64, generator=g)[:40]
+        slots[7] = -1
+        cpu_kernel.kv_write(key, value, cache, slots, preset)
+        kept = slots >= 0
+        written = cache[slots[kept] // 16, slots[kept] % 16]
+        differing = int((written != preset.encode(key[kept], value[kept])).sum())
+        assert differing <= 2, f"{dtype}: {differing} bytes differ"
+        assert int(base[..., preset.slot_bytes :].sum()) == 0
+        unused = torch.ones(64, dtype=torch.bool)
+        unused[slots[kept]] = False
+        assert int(cache.reshape(64, 3, -1)[unused].sum()) == 0
+
+
+def test_the_pytorch_backend_writes_decode_steps_with_the_kernel(monkeypatch):
+    """A decode step's few vectors through the kernel's encode; a prefill's many, and ``TQKV_CPU_KERNEL=0``,
+    through the reference's."""
+    calls = []
+    encode = cpu_kernel.kv_write
+    monkeypatch.setattr(cpu_kernel, "kv_write", lambda *a: calls.append(a[0].shape[0]) or encode(*a))
+    preset = get_preset("turboquant_4bit_nc", 64)
+    cache = torch.zeros(200, 16, 3, preset.slot_bytes, dtype=torch.uint8)
+    many = cpu_kernel.WRITE_MAX_VECTORS // 3 + 1
+    for tokens in (4, many):
+        torch.ops.tqkv.kv_write(torch.randn(tokens, 3, 64), torch.randn(tokens, 3, 64), cache,
+                                torch.arange(tokens), preset.name)
+    monkeypatch.setenv("TQKV_CPU_KERNEL", "0")
+    torch.ops.tqkv.kv_write(torch.randn(4, 3, 64), torch.randn(4, 3, 64), cache, torch.arange(4), preset.name)
+    assert calls == [4]

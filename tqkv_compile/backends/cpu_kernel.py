@@ -1,0 +1,186 @@
+"""The native CPU decode attention (``csrc/cpu_decode.cpp``): the PyTorch backend's decode rows on CPU tensors.
+
+It reads the packed slots straight from the paged cache (no decoded copy of the context): per (sequence, kv
+head) task it decodes each slot once (centroid lookups from a vector register, fp8 bytes, value codes) for
+every query row and head of the GQA group and keeps an fp32 online softmax, tasks spread over the intra-op
+threads (``at::parallel_for``). AVX2 + FMA + F16C where the CPU has them (chosen at run time), portable C++
+otherwise. A second op encodes a decode step's few tokens for ``kv_write`` (:func:`kv_write`).
+
+Built on first use with ``torch.utils.cpp_extension.load`` into torch's extensions directory (a name that
+hashes the source, so an edited source builds anew and a built one loads in well under a second), the build
+time said once on stderr. Where no compiler works, one line says so and the PyTorch path
+(``ReferenceBackend.attention``) serves; ``TQKV_CPU_KERNEL=0`` forces that path.
+
+Serves vLLM's slot layouts (``Preset.vllm_layout``: fp8 / 3 / 4-bit keys, 3 / 4-bit uniform values, with or
+without norm correction) at head sizes 64, 128 and 256; other presets keep the PyTorch path.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from tqkv_compile.codec import Preset
+
+SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "cpu_decode.cpp"
+BUILD_SECONDS = 20  # the estimate the build message gives (measured 14-20 s on a 2-core EPYC VM)
+
+_lock = threading.Lock()
+_loaded: bool | None = None  # None: not tried yet in this process
+
+
+#: -fopenmp: at::parallel_for is OpenMP pragmas in torch's headers (without it, one thread); no -lgomp at the link:
+#: the GOMP symbols resolve to the OpenMP runtime torch loaded, not a second one
+CFLAGS = ["-O3", "-std=c++17", "-fno-math-errno", "-fopenmp"]
+
+
+def extension_name() -> str:
+    """The extension's name: a hash of the source, the flags and torch's version (torch's build cache keys on the
+    name)."""
+    digest = hashlib.sha1(SOURCE.read_bytes() + " ".join(CFLAGS).encode() + torch.__version__.encode())
+    return f"tqkv_cpu_decode_{digest.hexdigest()[:12]}"
+
+
+def enabled() -> bool:
+    """``TQKV_CPU_KERNEL`` is not ``0`` (read at every call: tests switch it)."""
+    return os.environ.get("TQKV_CPU_KERNEL", "1") not in ("0", "false", "False", "")
+
+
+def load() -> bool:
+    """Build (first use) and load the kernel; False, with one line on stderr, where that fails."""
+    global _loaded
+    if _loaded is not None:
+        return _loaded
+    with _lock:
+        if _loaded is None:
+            _loaded = _build_and_load()
+    return _loaded
+
+
+def _registered() -> bool:
+    try:
+        torch.ops.tqkv_cpu.decode_attention  # noqa: B018
+        return True
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def _build_and_load() -> bool:
+    if _registered():
+        return True
+    try:
+        from torch.utils import cpp_extension
+
+        name = extension_name()
+        try:
+            built = (Path(cpp_extension._get_build_directory(name, verbose=False)) / f"{name}.so").exists()
+        except Exception:  # a private helper: a torch without it only loses the message's accuracy
+            built = False
+        if not built:
+            print(f"[tqkv] building the CPU decode kernel (first use, ~{BUILD_SECONDS} s)", file=sys.stderr, flush=True)
+        start = time.perf_counter()
+        cpp_extension.load(name, [str(SOURCE)], extra_cflags=CFLAGS, is_python_module=False,
+                           verbose=False)
+        if not built:
+            print(f"[tqkv] CPU decode kernel built in {time.perf_counter() - start:.1f} s", file=sys.stderr,
+                  flush=True)
+        return _registered()
+    except Exception as e:  # no compiler, no ninja, headers missing: the PyTorch path serves
+        reason = (str(e).strip().splitlines() or [type(e).__name__])[-1][:200]
+        print(f"[tqkv] CPU decode kernel unavailable ({type(e).__name__}: {reason}); decode attention takes the "
+              "PyTorch path", file=sys.stderr, flush=True)
+        return False
+
+
+def supports_preset(preset: Preset) -> bool:
+    """vLLM's slot layouts at head sizes 64 / 128 / 256."""
+    return preset.vllm_layout and preset.head_dim in (64, 128, 256) and not preset.key_outliers
+
+
+def serves(preset: Preset, query: torch.Tensor, kv_cache: torch.Tensor) -> bool:
+    """Whether :func:`attention` serves this call: CPU tensors, a supported preset, slots contiguous in the
+    cache's last dimension, the kernel enabled and built."""
+    return (query.device.type == "cpu" and kv_cache.device.type == "cpu" and supports_preset(preset)
+            and kv_cache.stride(3) == 1 and enabled() and load())
+
+
+def has_avx2() -> bool:
+    """Whether the loaded kernel takes its AVX2 + FMA path on this CPU."""
+    return load() and bool(torch.ops.tqkv_cpu.has_avx2())
+
+
+def attention(query, kv_cache, block_table, seq_lens, query_start_loc, scale, preset: Preset, key=None, value=None,
+              out=None, vectorized: bool = True) -> torch.Tensor:
+    """``ReferenceBackend.attention``'s contract through the kernel, reading the cache (``key`` / ``value``
+    are not looked at: whole prompts are routed elsewhere by ``prefill.serve``): query [T, Hq, D] (fp32 / bf16
+    / fp16) -> [T, Hq, D] in the query's dtype, in ``out`` where given; rows outside
+    ``query_start_loc[0] .. query_start_loc[-1]`` are zero. The kernel rotates the query and writes the
+    output's dtype itself (one op call, no intermediate tensors). ``vectorized=False``: the portable path."""
+    if not load():
+        raise RuntimeError("the CPU decode kernel is not available (see the [tqkv] line above)")
+    q = query if query.shape[-1] <= 1 or query.stride(-1) == 1 else query.contiguous()
+    into = out if out is not None and (out.shape[-1] <= 1 or out.stride(-1) == 1) else torch.empty_like(q)
+    torch.ops.tqkv_cpu.decode_attention(
+        q, kv_cache, block_table.to(torch.int32).contiguous(), seq_lens.to(torch.int64).contiguous(),
+        query_start_loc.to(torch.int64).contiguous(), _table(preset), into, float(scale),
+        8 if preset.key_fp8 else preset.key_bits, preset.value_bits, preset.norm_correction, preset.key_code_bytes,
+        preset.key_bytes, preset.value_code_bytes, vectorized)
+    if out is not None and into is not out:
+        out.copy_(into)
+        return out
+    return into
+
+
+_tables: dict[tuple[str, int], torch.Tensor] = {}
+
+
+def _table(preset: Preset) -> torch.Tensor:
+    """fp32 [16] (or fewer) centroids of the preset's keys, empty for fp8 keys; made once a preset."""
+    k = (preset.name, preset.head_dim)
+    if k not in _tables:
+        _tables[k] = torch.zeros(0) if preset.key_fp8 else preset.centroids().float().contiguous()
+    return _tables[k]
+
+
+#: kv_write calls with at most this many (token, kv head) vectors take the kernel's encode (decode steps, short
+#: chunks); bigger ones (prefill) the PyTorch encode, which is vectorised over the tokens
+WRITE_MAX_VECTORS = 1024
+
+
+def serves_write(preset: Preset, key: torch.Tensor, kv_cache: torch.Tensor) -> bool:
+    """Whether :func:`kv_write` serves this call: CPU tensors, vLLM's slot layouts, a few vectors, the kernel on."""
+    return (key.device.type == "cpu" and kv_cache.device.type == "cpu" and supports_preset(preset)
+            and key.shape[0] * key.shape[1] <= WRITE_MAX_VECTORS and kv_cache.stride(3) == 1 and enabled()
+            and load())
+
+
+def kv_write(key, value, kv_cache, slot_mapping, preset: Preset) -> None:
+    """``ReferenceBackend.kv_write``'s contract through the kernel: key, value [T, Hk, D] (fp32 / bf16 / fp16)
+    encoded into the slots ``slot_mapping`` (int [T], negative: skipped) of the cache view. The codec's bytes;
+    a code may differ where a rotated coordinate lies within float rounding of a midpoint (the rotation's sums
+    are fp64 here, fp32 in torch's matmul)."""
+    if not load():
+        raise RuntimeError("the CPU decode kernel is not available (see the [tqkv] line above)")
+    key = key if key.stride(-1) == 1 else key.contiguous()
+    value = value.to(key.dtype) if value.stride(-1) == 1 else value.to(key.dtype).contiguous()
+    torch.ops.tqkv_cpu.kv_write(
+        key, value, kv_cache, slot_mapping.to(torch.int64).contiguous(), _midpoints(preset), _table(preset),
+        8 if preset.key_fp8 else preset.key_bits, preset.value_bits, preset.norm_at_write, preset.key_code_bytes,
+        preset.key_bytes, preset.value_code_bytes, preset.slot_bytes)
+
+
+_midpoint_tables: dict[tuple[str, int], torch.Tensor] = {}
+
+
+def _midpoints(preset: Preset) -> torch.Tensor:
+    """fp32 [15] (or fewer) midpoints of the preset's key centroids, empty for fp8 keys; made once a preset."""
+    k = (preset.name, preset.head_dim)
+    if k not in _midpoint_tables:
+        _midpoint_tables[k] = torch.zeros(0) if preset.key_fp8 else preset.midpoints().float().contiguous()
+    return _midpoint_tables[k]

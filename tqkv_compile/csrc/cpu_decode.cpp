@@ -1,0 +1,676 @@
+// TurboQuant decode attention on the CPU, read straight from the packed paged cache.
+//
+// Op (registered as torch.ops.tqkv_cpu.decode_attention, built by tqkv_compile/backends/cpu_kernel.py):
+//
+//   query  fp32 / bf16 / fp16 [T, Hq, D], its last dimension contiguous; rotated here into the keys' stored
+//          basis (q @ H for Lloyd-Max keys, H the orthonormal Sylvester-Hadamard matrix: a Walsh-Hadamard
+//          transform in fp64, rounded to fp32), once per row and head
+//   cache  uint8 [num_blocks, block_size, Hk, slot_bytes], any strides with the last one 1 (vLLM's CPU
+//          allocation is [num_blocks, Hk, block_size, 2 D] permuted and sliced)
+//   block_table int32 [B, M] contiguous; seq_lens, starts int64 [B], [B + 1] (query_start_loc)
+//   table  fp32 [16] Lloyd-Max centroids (unused for fp8 keys)
+//   out    the query's dtype and shape, its last dimension contiguous; rows outside starts[0] .. starts[B]
+//          are zeroed (padding rows)
+//
+// Row j of a sequence with n new rows and L positions sees positions 0 .. L - n + j; query head h reads kv
+// head h / (Hq / Hk). Slot bytes (codec.py's docstring): key codes (fp8 bytes, or b-bit centroid indices,
+// code i at bit i b, little-endian) and an fp16 norm (Lloyd-Max keys), then value codes (v-bit uniform
+// codes), fp16 scale, fp16 zero. A logit is scale * norm * <q, c> (/ ||c|| with norm correction), a value
+// coordinate scale_v * code + zero_v, so P.V = (P scale_v) . codes + (P . zero_v). The codes are taken
+// centred, code - (2^v - 1) / 2, and zero_v + scale_v (2^v - 1) / 2 is the per-token offset: the vector's
+// midrange, near zero, where zero_v is near -max|v|; so the two sums do not carry large terms that cancel.
+//
+// Work: one task per (sequence, kv head) through at::parallel_for; a task walks its positions in tiles,
+// decodes each slot once (keys as centroids / fp8 to fp32, values as codes to fp32) into a small buffer that
+// serves every query row and head of the GQA group, and keeps an online softmax (a running max, a running sum,
+// the accumulator of (P scale_v) . codes and the running P . zero_v) per query vector, all fp32.
+// Two implementations: AVX2 + FMA + F16C (functions compiled for that target, chosen at run time where the CPU
+// has them; centroid lookups by _mm256_permutevar8x32_ps on the table's two halves; 4-bit codes decoded in
+// nibble order, each 16 coordinates' 8 even ones then 8 odd ones, the query permuted alike and the output put
+// back) and portable scalar C++.
+//
+// A second op, torch.ops.tqkv_cpu.kv_write, encodes a decode step's few tokens (see kv_write below).
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#define TQKV_X86 1
+#define TQKV_AVX2 __attribute__((target("avx2,fma,f16c")))
+#endif
+
+namespace {
+
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+enum QueryType { kF32 = 0, kBF16 = 1, kF16 = 2 };
+
+struct Problem {
+  const void* q;
+  void* out;
+  int qtype;
+  int64_t q_st, q_sh, o_st, o_sh;  // element strides of row and head, query and out
+  bool rotate;
+  float h_entry;  // hadamard(D)'s entries' magnitude, fp32 1 / sqrt(D)
+  const uint8_t* cache;
+  int64_t s0, s1, s2;  // byte strides of block, position in block, kv head
+  int64_t block_size;
+  const int32_t* block_table;
+  int64_t bt_stride;
+  const int64_t* seq_lens;
+  const int64_t* starts;
+  int64_t Hq, Hk, group, D;
+  float scale;
+  float table[16];
+  int key_kind;  // 8: fp8 e4m3 keys; 3 or 4: Lloyd-Max bits
+  int value_bits;
+  bool norm_correction;
+  int64_t key_code_bytes, key_bytes, value_code_bytes;
+
+  const uint8_t* slot(int64_t b, int64_t h, int64_t t) const {
+    const int64_t block = block_table[b * bt_stride + t / block_size];
+    return cache + block * s0 + (t % block_size) * s1 + h * s2;
+  }
+};
+
+inline float read_half(const uint8_t* p) {
+  uint16_t bits;
+  std::memcpy(&bits, p, 2);
+  return c10::detail::fp16_ieee_to_fp32_value(bits);
+}
+
+inline float fp8_e4m3_to_float(uint8_t x) {
+  const int mag = x & 0x7f;
+  float v;
+  if (mag >= 8) {  // normal: exponent field e (bias 7), 3 mantissa bits
+    uint32_t bits = (uint32_t(mag) << 20) + (120u << 23);
+    std::memcpy(&v, &bits, 4);
+  } else {
+    v = float(mag) * 0.001953125f;  // subnormal: mantissa * 2^-9
+  }
+  return (x & 0x80) ? -v : v;
+}
+
+inline float load_elem(const void* base, int qtype, int64_t i) {
+  if (qtype == kBF16) return float(static_cast<const c10::BFloat16*>(base)[i]);
+  if (qtype == kF16) return float(static_cast<const c10::Half*>(base)[i]);
+  return static_cast<const float*>(base)[i];
+}
+
+// The query vectors of sequence b's rows and kv head h's group, fp32 [n G, D] in the keys' stored basis.
+void load_queries(const Problem& P, int64_t first, int64_t n, int64_t h, float* dst) {
+  const int64_t D = P.D, G = P.group;
+  double y[256];
+  for (int64_t j = 0; j < n; ++j)
+    for (int64_t g = 0; g < G; ++g) {
+      const int64_t at = (first + j) * P.q_st + (h * G + g) * P.q_sh;
+      float* q = dst + (j * G + g) * D;
+      if (!P.rotate) {
+        for (int64_t d = 0; d < D; ++d) q[d] = load_elem(P.q, P.qtype, at + d);
+        continue;
+      }
+      for (int64_t d = 0; d < D; ++d) y[d] = load_elem(P.q, P.qtype, at + d);
+      for (int64_t len = 1; len < D; len <<= 1)
+        for (int64_t i = 0; i < D; i += 2 * len)
+          for (int64_t k = i; k < i + len; ++k) {
+            const double a = y[k], b = y[k + len];
+            y[k] = a + b, y[k + len] = a - b;
+          }
+      for (int64_t d = 0; d < D; ++d) q[d] = float(y[d] * double(P.h_entry));
+    }
+}
+
+// Row `row`, query head `head` of out from fp32 o[D] (o[perm(d)] with nibble order: see task_avx2).
+void store_output(const Problem& P, int64_t row, int64_t head, const float* o, bool nibble_order) {
+  const int64_t D = P.D, at = row * P.o_st + head * P.o_sh;
+  for (int64_t d = 0; d < D; ++d) {
+    const int64_t c = d & ~int64_t(15), k = d & 15;
+    const float v = nibble_order ? o[c + (k & 1) * 8 + (k >> 1)] : o[d];
+    if (P.qtype == kBF16) static_cast<c10::BFloat16*>(P.out)[at + d] = c10::BFloat16(v);
+    else if (P.qtype == kF16) static_cast<c10::Half*>(P.out)[at + d] = c10::Half(v);
+    else static_cast<float*>(P.out)[at + d] = v;
+  }
+}
+
+inline int code_at(const uint8_t* codes, int bits, int64_t i) {
+  const int64_t bit = i * bits;
+  const int word = codes[bit >> 3] | (int(codes[(bit >> 3) + 1]) << 8);  // the byte after is still in the slot
+  return (word >> (bit & 7)) & ((1 << bits) - 1);
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// Portable path: one position at a time, per query vector an online softmax.
+
+// Keys into key[D] (stored basis, unit centroids or fp8 values); returns the logit factor (norm / ||c||,
+// norm, or 1 for fp8).
+float decode_key_scalar(const Problem& P, const uint8_t* slot, float* key) {
+  const int64_t D = P.D;
+  if (P.key_kind == 8) {
+    for (int64_t d = 0; d < D; ++d) key[d] = fp8_e4m3_to_float(slot[d]);
+    return 1.f;
+  }
+  float sumsq = 0.f;
+  for (int64_t d = 0; d < D; ++d) {
+    const float c = P.table[code_at(slot, P.key_kind, d)];
+    key[d] = c;
+    sumsq += c * c;
+  }
+  const float norm = read_half(slot + P.key_code_bytes);
+  return P.norm_correction ? norm / std::sqrt(sumsq + 1e-16f) : norm;
+}
+
+void task_scalar(const Problem& P, int64_t b, int64_t h) {
+  const int64_t first = P.starts[b], n = P.starts[b + 1] - first, L = P.seq_lens[b];
+  if (n <= 0) return;
+  const int64_t D = P.D, G = P.group, nq = n * G;
+  std::vector<float> acc(nq * D, 0.f), m(nq, kNegInf), l(nq, 0.f), z(nq, 0.f), key(D), val(D), qbuf(nq * D);
+  load_queries(P, first, n, h, qbuf.data());
+  for (int64_t t = 0; t < L; ++t) {
+    const uint8_t* slot = P.slot(b, h, t);
+    const float kf = decode_key_scalar(P, slot, key.data()) * P.scale;
+    const uint8_t* vcodes = slot + P.key_bytes;
+    const float mid = 0.5f * float((1 << P.value_bits) - 1);
+    for (int64_t d = 0; d < D; ++d) val[d] = float(code_at(vcodes, P.value_bits, d)) - mid;
+    const float vs = read_half(vcodes + P.value_code_bytes);
+    const float vz = read_half(vcodes + P.value_code_bytes + 2) + mid * vs;
+    for (int64_t j = 0; j < n; ++j) {
+      if (t > L - n + j) continue;  // causal, bottom-right aligned
+      for (int64_t g = 0; g < G; ++g) {
+        const int64_t i = j * G + g;
+        const float* q = qbuf.data() + i * D;
+        float dot = 0.f;
+        for (int64_t d = 0; d < D; ++d) dot += q[d] * key[d];
+        const float s = dot * kf;
+        float* a = acc.data() + i * D;
+        if (s > m[i]) {
+          const float alpha = m[i] == kNegInf ? 0.f : std::exp(m[i] - s);
+          for (int64_t d = 0; d < D; ++d) a[d] *= alpha;
+          l[i] *= alpha;
+          z[i] *= alpha;
+          m[i] = s;
+        }
+        const float p = std::exp(s - m[i]);
+        l[i] += p;
+        z[i] += p * vz;
+        const float w = p * vs;
+        for (int64_t d = 0; d < D; ++d) a[d] += w * val[d];
+      }
+    }
+  }
+  for (int64_t i = 0; i < nq; ++i) {
+    const float inv = l[i] > 0.f ? 1.f / l[i] : 0.f;
+    for (int64_t d = 0; d < D; ++d) val[d] = (acc[i * D + d] + z[i]) * inv;
+    store_output(P, first + i / G, h * G + i % G, val.data(), false);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// AVX2 + FMA path: a tile of TP positions at a time (TP * D = 2048 floats of keys, as many of values).
+
+#ifdef TQKV_X86
+
+TQKV_AVX2 inline __m256 exp256(__m256 x) {  // Cephes' expf, ~2 ulp; x <= 0 here
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.3f));
+  __m256 fx = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+  __m256 y = _mm256_set1_ps(1.9875691500E-4f);
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507E-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073E-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894E-2f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459E-1f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201E-1f));
+  y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.f)));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
+TQKV_AVX2 inline float half_f16c(const uint8_t* p) {
+  uint16_t bits;
+  std::memcpy(&bits, p, 2);
+  return _cvtsh_ss(bits);
+}
+
+TQKV_AVX2 inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+TQKV_AVX2 inline float hmax(__m256 v) {
+  __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_max_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// Eight codes of BITS bits (3 or 4) starting at code 8 c, as int32 lanes.
+template <int BITS>
+TQKV_AVX2 inline __m256i codes8(const uint8_t* codes, int64_t c) {
+  uint32_t word;
+  std::memcpy(&word, codes + c * BITS, 4);  // 3-bit: the 4th byte is the next field's, shifted out
+  const __m256i shifts = _mm256_setr_epi32(0, BITS, 2 * BITS, 3 * BITS, 4 * BITS, 5 * BITS, 6 * BITS, 7 * BITS);
+  return _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(int(word)), shifts), _mm256_set1_epi32((1 << BITS) - 1));
+}
+
+TQKV_AVX2 inline __m256 fp8x8(const uint8_t* p) {
+  const __m256i x = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  const __m256i mag = _mm256_and_si256(x, _mm256_set1_epi32(0x7f));
+  const __m256 normal = _mm256_castsi256_ps(_mm256_add_epi32(_mm256_slli_epi32(mag, 20), _mm256_set1_epi32(120 << 23)));
+  const __m256 sub = _mm256_mul_ps(_mm256_cvtepi32_ps(mag), _mm256_set1_ps(0.001953125f));
+  const __m256 v = _mm256_blendv_ps(normal, sub, _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(8), mag)));
+  const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(x, _mm256_set1_epi32(0x80)), 24);
+  return _mm256_or_ps(v, _mm256_castsi256_ps(sign));
+}
+
+// Sixteen-entry table lookup: lanes of idx in [0, 16) -> table[idx], the table as two registers of 8.
+TQKV_AVX2 inline __m256 lookup16(__m256 lo, __m256 hi, __m256i idx) {
+  return _mm256_blendv_ps(_mm256_permutevar8x32_ps(lo, idx), _mm256_permutevar8x32_ps(hi, idx),
+                          _mm256_castsi256_ps(_mm256_slli_epi32(idx, 28)));
+}
+
+// Lane r of the result: the sum of a_r's lanes.
+TQKV_AVX2 inline __m256 reduce8(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 a4, __m256 a5, __m256 a6,
+                                __m256 a7) {
+  const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+  const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(a4, a5), _mm256_hadd_ps(a6, a7));
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+// Eight dot products <q, k_r> (k_r = keys + r D), as one vector (lane r).
+template <int D>
+TQKV_AVX2 inline __m256 dot8(const float* q, const float* keys) {
+  __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+#pragma GCC unroll 4
+  for (int c = 0; c < D; c += 8) {
+    const __m256 qc = _mm256_loadu_ps(q + c);
+    a0 = _mm256_fmadd_ps(qc, _mm256_loadu_ps(keys + 0 * D + c), a0);
+    a1 = _mm256_fmadd_ps(qc, _mm256_loadu_ps(keys + 1 * D + c), a1);
+    a2 = _mm256_fmadd_ps(qc, _mm256_loadu_ps(keys + 2 * D + c), a2);
+    a3 = _mm256_fmadd_ps(qc, _mm256_loadu_ps(keys + 3 * D + c), a3);
+    a4 = _mm256_fmadd_ps(qc, _mm256_loadu_ps(keys + 4 * D + c), a4);
+    a5 = _mm256_fmadd_ps(qc, _mm256_loadu_ps(keys + 5 * D + c), a5);
+    a6 = _mm256_fmadd_ps(qc, _mm256_loadu_ps(keys + 6 * D + c), a6);
+    a7 = _mm256_fmadd_ps(qc, _mm256_loadu_ps(keys + 7 * D + c), a7);
+  }
+  return reduce8(a0, a1, a2, a3, a4, a5, a6, a7);
+}
+
+template <int D, int KK, int VB>
+TQKV_AVX2 void task_avx2(const Problem& P, int64_t b, int64_t h) {
+  constexpr int TP = 2048 / D;  // positions a tile: 32 / 16 / 8
+  const int64_t first = P.starts[b], n = P.starts[b + 1] - first, L = P.seq_lens[b];
+  if (n <= 0) return;
+  const int64_t G = P.group, nq = n * G;
+  std::vector<float> keys(TP * D, 0.f), vals(TP * D, 0.f), acc(nq * D, 0.f), scores(nq * TP, 0.f);
+  std::vector<float> m(nq, kNegInf), l(nq, 0.f), z(nq, 0.f);
+  alignas(32) float kf[TP] = {}, vs[TP] = {}, vz[TP] = {}, w[TP] = {}, sumsq[8 * TP] = {};
+  const __m256 lo = _mm256_loadu_ps(P.table), hi = _mm256_loadu_ps(P.table + 8);
+  const __m256i iota = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  // 4-bit codes are decoded in nibble order (in each 16 coordinates the 8 even ones, then the 8 odd ones):
+  // the query is permuted alike for 4-bit keys, the output put back in order for 4-bit values
+  std::vector<float> qbuf(nq * D);
+  load_queries(P, first, n, h, qbuf.data());
+  std::vector<const float*> qs(nq);
+  for (int64_t i = 0; i < nq; ++i) {
+    float* q = qbuf.data() + i * D;
+    if constexpr (KK == 4) {
+      float tmp[D];
+      std::memcpy(tmp, q, sizeof(tmp));
+      for (int c = 0; c < D; c += 16)
+        for (int k = 0; k < 8; ++k) q[c + k] = tmp[c + 2 * k], q[c + 8 + k] = tmp[c + 2 * k + 1];
+    }
+    qs[i] = q;
+  }
+
+  for (int64_t t0 = 0; t0 < L; t0 += TP) {
+    const int len = int(std::min<int64_t>(TP, L - t0));
+    // decode the tile's slots once (the block's address looked up once a block: no division a slot)
+    int64_t blk_index = t0 / P.block_size, in_block = t0 % P.block_size;
+    const uint8_t* block = P.cache + int64_t(P.block_table[b * P.bt_stride + blk_index]) * P.s0 + h * P.s2;
+    for (int r = 0; r < len; ++r) {
+      if (in_block == P.block_size) {
+        in_block = 0;
+        block = P.cache + int64_t(P.block_table[b * P.bt_stride + ++blk_index]) * P.s0 + h * P.s2;
+      }
+      const uint8_t* slot = block + in_block++ * P.s1;
+      float* k = keys.data() + r * D;
+      if constexpr (KK == 8) {
+        for (int c = 0; c < D; c += 8) _mm256_storeu_ps(k + c, fp8x8(slot + c));
+        kf[r] = P.scale;
+      } else {
+        __m256 ss = _mm256_setzero_ps();
+        if constexpr (KK == 4) {  // 8 bytes: 16 codes, even coordinates then odd ones (nibble order)
+          for (int c = 0; c < D; c += 16) {
+            const __m256i x = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(slot + c / 2)));
+            const __m256 even = lookup16(lo, hi, _mm256_and_si256(x, _mm256_set1_epi32(15)));
+            const __m256 odd = lookup16(lo, hi, _mm256_srli_epi32(x, 4));
+            _mm256_storeu_ps(k + c, even);
+            _mm256_storeu_ps(k + c + 8, odd);
+            ss = _mm256_fmadd_ps(odd, odd, _mm256_fmadd_ps(even, even, ss));
+          }
+        } else {
+          for (int c = 0; c < D / 8; ++c) {
+            const __m256 v = _mm256_permutevar8x32_ps(lo, codes8<KK>(slot, c));
+            _mm256_storeu_ps(k + 8 * c, v);
+            ss = _mm256_fmadd_ps(v, v, ss);
+          }
+        }
+        _mm256_store_ps(sumsq + 8 * r, ss);  // reduced 8 slots at a time below
+        kf[r] = P.scale * half_f16c(slot + P.key_code_bytes);
+      }
+      const uint8_t* vcodes = slot + P.key_bytes;
+      float* v = vals.data() + r * D;
+      constexpr float mid = 0.5f * float((1 << VB) - 1);
+      const __m256 vmid = _mm256_set1_ps(mid);
+      if constexpr (VB == 4) {  // nibble order, as the keys'
+        for (int c = 0; c < D; c += 16) {
+          const __m256i x = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(vcodes + c / 2)));
+          _mm256_storeu_ps(v + c, _mm256_sub_ps(_mm256_cvtepi32_ps(_mm256_and_si256(x, _mm256_set1_epi32(15))), vmid));
+          _mm256_storeu_ps(v + c + 8, _mm256_sub_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(x, 4)), vmid));
+        }
+      } else {
+        for (int c = 0; c < D / 8; ++c)
+          _mm256_storeu_ps(v + 8 * c, _mm256_sub_ps(_mm256_cvtepi32_ps(codes8<VB>(vcodes, c)), vmid));
+      }
+      vs[r] = half_f16c(vcodes + P.value_code_bytes);
+      vz[r] = half_f16c(vcodes + P.value_code_bytes + 2) + mid * vs[r];
+    }
+    if constexpr (KK != 8) {
+      if (P.norm_correction) {  // kf /= ||c||, 8 slots at a time
+        for (int r = 0; r < len; r += 8) {
+          const float* v = sumsq + 8 * r;
+          const __m256 norms = reduce8(_mm256_load_ps(v), _mm256_load_ps(v + 8), _mm256_load_ps(v + 16),
+                                       _mm256_load_ps(v + 24), _mm256_load_ps(v + 32), _mm256_load_ps(v + 40),
+                                       _mm256_load_ps(v + 48), _mm256_load_ps(v + 56));
+          _mm256_store_ps(kf + r, _mm256_div_ps(_mm256_load_ps(kf + r),
+                                                _mm256_sqrt_ps(_mm256_add_ps(norms, _mm256_set1_ps(1e-16f)))));
+        }
+      }
+    }
+    // every query vector of the task against the tile
+    for (int64_t i = 0; i < nq; ++i) {
+      const int64_t j = i / G;
+      const int valid = int(std::min<int64_t>(len, L - n + j - t0 + 1));  // causal, bottom-right aligned
+      if (valid <= 0) continue;
+      float* s = scores.data() + i * TP;
+      for (int r = 0; r < TP; r += 8)
+        _mm256_storeu_ps(s + r, _mm256_mul_ps(dot8<D>(qs[i], keys.data() + r * D), _mm256_load_ps(kf + r)));
+      __m256 mx = _mm256_set1_ps(kNegInf);
+      for (int r = 0; r < valid; r += 8) {
+        const __m256 keep = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(valid - r), iota));
+        mx = _mm256_max_ps(mx, _mm256_blendv_ps(_mm256_set1_ps(kNegInf), _mm256_loadu_ps(s + r), keep));
+      }
+      const float m_new = std::max(m[i], hmax(mx));
+      const float alpha = m[i] == kNegInf ? 0.f : std::exp(m[i] - m_new);
+      m[i] = m_new;
+      __m256 psum = _mm256_setzero_ps(), zsum = _mm256_setzero_ps();
+      for (int r = 0; r < valid; r += 8) {
+        const __m256 keep = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(valid - r), iota));
+        const __m256 p = _mm256_and_ps(exp256(_mm256_sub_ps(_mm256_loadu_ps(s + r), _mm256_set1_ps(m_new))), keep);
+        psum = _mm256_add_ps(psum, p);
+        zsum = _mm256_fmadd_ps(p, _mm256_load_ps(vz + r), zsum);
+        _mm256_store_ps(w + r, _mm256_mul_ps(p, _mm256_load_ps(vs + r)));
+      }
+      l[i] = l[i] * alpha + hsum(psum);
+      z[i] = z[i] * alpha + hsum(zsum);
+      // acc = alpha acc + sum_r w_r codes_r, 64 coordinates (8 registers) at a time
+      const __m256 va = _mm256_set1_ps(alpha);
+      for (int d0 = 0; d0 < D; d0 += 64) {
+        float* a = acc.data() + i * D + d0;
+        __m256 r0 = _mm256_mul_ps(va, _mm256_loadu_ps(a + 0)), r1 = _mm256_mul_ps(va, _mm256_loadu_ps(a + 8));
+        __m256 r2 = _mm256_mul_ps(va, _mm256_loadu_ps(a + 16)), r3 = _mm256_mul_ps(va, _mm256_loadu_ps(a + 24));
+        __m256 r4 = _mm256_mul_ps(va, _mm256_loadu_ps(a + 32)), r5 = _mm256_mul_ps(va, _mm256_loadu_ps(a + 40));
+        __m256 r6 = _mm256_mul_ps(va, _mm256_loadu_ps(a + 48)), r7 = _mm256_mul_ps(va, _mm256_loadu_ps(a + 56));
+        for (int r = 0; r < valid; ++r) {
+          const __m256 wr = _mm256_broadcast_ss(w + r);
+          const float* v = vals.data() + r * D + d0;
+          r0 = _mm256_fmadd_ps(wr, _mm256_loadu_ps(v + 0), r0);
+          r1 = _mm256_fmadd_ps(wr, _mm256_loadu_ps(v + 8), r1);
+          r2 = _mm256_fmadd_ps(wr, _mm256_loadu_ps(v + 16), r2);
+          r3 = _mm256_fmadd_ps(wr, _mm256_loadu_ps(v + 24), r3);
+          r4 = _mm256_fmadd_ps(wr, _mm256_loadu_ps(v + 32), r4);
+          r5 = _mm256_fmadd_ps(wr, _mm256_loadu_ps(v + 40), r5);
+          r6 = _mm256_fmadd_ps(wr, _mm256_loadu_ps(v + 48), r6);
+          r7 = _mm256_fmadd_ps(wr, _mm256_loadu_ps(v + 56), r7);
+        }
+        _mm256_storeu_ps(a + 0, r0), _mm256_storeu_ps(a + 8, r1), _mm256_storeu_ps(a + 16, r2);
+        _mm256_storeu_ps(a + 24, r3), _mm256_storeu_ps(a + 32, r4), _mm256_storeu_ps(a + 40, r5);
+        _mm256_storeu_ps(a + 48, r6), _mm256_storeu_ps(a + 56, r7);
+      }
+    }
+  }
+  for (int64_t i = 0; i < nq; ++i) {
+    float* a = acc.data() + i * D;
+    const __m256 inv = _mm256_set1_ps(l[i] > 0.f ? 1.f / l[i] : 0.f), zi = _mm256_set1_ps(z[i]);
+    for (int c = 0; c < D; c += 8) _mm256_storeu_ps(a + c, _mm256_mul_ps(_mm256_add_ps(_mm256_loadu_ps(a + c), zi), inv));
+    store_output(P, first + i / G, h * G + i % G, a, VB == 4);
+  }
+}
+
+using Task = void (*)(const Problem&, int64_t, int64_t);
+
+template <int D>
+Task pick_avx2_for(int key_kind, int value_bits) {
+  if (value_bits == 4) {
+    if (key_kind == 8) return task_avx2<D, 8, 4>;
+    if (key_kind == 4) return task_avx2<D, 4, 4>;
+    if (key_kind == 3) return task_avx2<D, 3, 4>;
+  } else if (value_bits == 3) {
+    if (key_kind == 8) return task_avx2<D, 8, 3>;
+    if (key_kind == 4) return task_avx2<D, 4, 3>;
+    if (key_kind == 3) return task_avx2<D, 3, 3>;
+  }
+  return nullptr;
+}
+
+Task pick_avx2(int64_t D, int key_kind, int value_bits) {
+  if (D == 64) return pick_avx2_for<64>(key_kind, value_bits);
+  if (D == 128) return pick_avx2_for<128>(key_kind, value_bits);
+  if (D == 256) return pick_avx2_for<256>(key_kind, value_bits);
+  return nullptr;
+}
+
+bool cpu_has_avx2() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+}
+#else
+bool cpu_has_avx2() { return false; }
+#endif
+
+// ---------------------------------------------------------------------------------------------------------
+
+void decode_attention(const at::Tensor& query, const at::Tensor& cache, const at::Tensor& block_table,
+                      const at::Tensor& seq_lens, const at::Tensor& starts, const at::Tensor& table, at::Tensor out,
+                      double scale, int64_t key_kind, int64_t value_bits, bool norm_correction,
+                      int64_t key_code_bytes, int64_t key_bytes, int64_t value_code_bytes, bool vectorized) {
+  TORCH_CHECK(query.device().is_cpu() && query.dim() == 3 && (query.size(2) <= 1 || query.stride(2) == 1),
+              "query: [T, Hq, D] on the CPU, its last dimension contiguous");
+  const auto qt = query.scalar_type();
+  TORCH_CHECK(qt == at::kFloat || qt == at::kBFloat16 || qt == at::kHalf, "query: fp32, bf16 or fp16");
+  TORCH_CHECK(out.scalar_type() == qt && out.sizes() == query.sizes() && (out.size(2) <= 1 || out.stride(2) == 1),
+              "out: the query's dtype and shape, its last dimension contiguous");
+  TORCH_CHECK(cache.scalar_type() == at::kByte && cache.dim() == 4 && cache.stride(3) == 1,
+              "kv_cache: uint8 [num_blocks, block_size, Hk, slot_bytes] with contiguous slots");
+  TORCH_CHECK(block_table.scalar_type() == at::kInt && block_table.is_contiguous() && block_table.dim() == 2,
+              "block_table: int32 [B, M] contiguous");
+  TORCH_CHECK(seq_lens.scalar_type() == at::kLong && starts.scalar_type() == at::kLong && seq_lens.is_contiguous() &&
+                  starts.is_contiguous() && starts.numel() == seq_lens.numel() + 1,
+              "seq_lens, starts: int64 [B], [B + 1]");
+  TORCH_CHECK(table.scalar_type() == at::kFloat && table.is_contiguous() && table.numel() <= 16, "table: fp32 [<= 16]");
+  TORCH_CHECK(key_kind == 8 || key_kind == 3 || key_kind == 4, "key_kind: 8 (fp8), 3 or 4");
+  TORCH_CHECK(value_bits == 3 || value_bits == 4, "value_bits: 3 or 4");
+  Problem P{};
+  P.q = query.data_ptr();
+  P.out = out.data_ptr();
+  P.qtype = qt == at::kBFloat16 ? kBF16 : qt == at::kHalf ? kF16 : kF32;
+  P.q_st = query.stride(0), P.q_sh = query.stride(1), P.o_st = out.stride(0), P.o_sh = out.stride(1);
+  P.rotate = key_kind != 8;
+  P.h_entry = float(1.0 / std::sqrt(double(query.size(2))));
+  P.cache = cache.data_ptr<uint8_t>();
+  P.s0 = cache.stride(0), P.s1 = cache.stride(1), P.s2 = cache.stride(2);
+  P.block_size = cache.size(1);
+  P.block_table = block_table.data_ptr<int32_t>();
+  P.bt_stride = block_table.size(1);
+  P.seq_lens = seq_lens.data_ptr<int64_t>();
+  P.starts = starts.data_ptr<int64_t>();
+  P.Hq = query.size(1), P.Hk = cache.size(2), P.D = query.size(2);
+  TORCH_CHECK(P.Hq % P.Hk == 0, "query heads: a multiple of the cache's kv heads");
+  P.group = P.Hq / P.Hk;
+  TORCH_CHECK(P.D <= 256 && (P.D & (P.D - 1)) == 0, "head size: a power of two <= 256");
+  P.scale = float(scale);
+  std::fill(P.table, P.table + 16, 0.f);
+  std::memcpy(P.table, table.data_ptr<float>(), table.numel() * sizeof(float));
+  P.key_kind = int(key_kind), P.value_bits = int(value_bits), P.norm_correction = norm_correction;
+  P.key_code_bytes = key_code_bytes, P.key_bytes = key_bytes, P.value_code_bytes = value_code_bytes;
+
+  void (*task)(const Problem&, int64_t, int64_t) = task_scalar;
+#ifdef TQKV_X86
+  if (vectorized && cpu_has_avx2()) {
+    if (auto picked = pick_avx2(P.D, P.key_kind, P.value_bits)) task = picked;
+  }
+#endif
+  const int64_t batch = seq_lens.numel(), Hk = P.Hk;
+  // rows outside the batch's (padding) are zero
+  const int64_t rows = query.size(0), lo = batch ? std::min(P.starts[0], rows) : rows;
+  const int64_t hi = batch ? std::max(lo, std::min(P.starts[batch], rows)) : rows;
+  if (lo > 0) out.narrow(0, 0, lo).zero_();
+  if (hi < rows) out.narrow(0, hi, rows - hi).zero_();
+  at::parallel_for(0, batch * Hk, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) task(P, item / Hk, item % Hk);
+  });
+}
+
+bool has_avx2() { return cpu_has_avx2(); }
+
+// ---------------------------------------------------------------------------------------------------------
+// kv_write: the codec's encode (codec.py) of a few tokens, for decode steps, where the PyTorch encode's ~40
+// small ops cost more than the arithmetic. Same formulas, op for op in fp32 where torch computes in fp32; the
+// norm, the rotation (a Walsh-Hadamard transform: x @ H with H = h * signs) and the sums of squares in fp64
+// then rounded, so a code may differ from torch's (its own fp32 sums) only where the rotated coordinate sits
+// within float rounding of a midpoint.
+
+void encode_lloyd_max(const float* x, int64_t D, int bits, const float* midpoints, const float* centroids,
+                      float hadamard_entry, bool norm_at_write, uint8_t* dst, int64_t code_bytes) {
+  double sq = 0.0;
+  for (int64_t d = 0; d < D; ++d) sq += double(x[d]) * double(x[d]);
+  const float norm = float(std::sqrt(sq));
+  const float denom = norm + 1e-8f;
+  double y[256];
+  for (int64_t d = 0; d < D; ++d) y[d] = double(x[d] / denom);  // fp32 division, as torch's
+  for (int64_t len = 1; len < D; len <<= 1)  // Sylvester order: y @ signs
+    for (int64_t i = 0; i < D; i += 2 * len)
+      for (int64_t j = i; j < i + len; ++j) {
+        const double a = y[j], b = y[j + len];
+        y[j] = a + b, y[j + len] = a - b;
+      }
+  const int levels = 1 << bits;
+  std::memset(dst, 0, code_bytes);
+  double csq = 0.0;
+  for (int64_t d = 0; d < D; ++d) {
+    const float r = float(y[d] * double(hadamard_entry));
+    int code = 0;
+    for (int i = 0; i < levels - 1; ++i) code += midpoints[i] <= r;  // bucketize(right=True): midpoints <= r
+    const int64_t bit = d * bits;
+    const uint32_t shifted = uint32_t(code) << (bit & 7);
+    dst[bit >> 3] |= uint8_t(shifted & 0xff);
+    if (shifted >> 8) dst[(bit >> 3) + 1] |= uint8_t(shifted >> 8);
+    csq += double(centroids[code]) * double(centroids[code]);
+  }
+  float stored = norm;
+  if (norm_at_write) stored = norm / std::sqrt(float(csq) + 1e-16f);
+  const uint16_t half = c10::Half(stored).x;
+  std::memcpy(dst + code_bytes, &half, 2);
+}
+
+void kv_write(const at::Tensor& key, const at::Tensor& value, at::Tensor cache, const at::Tensor& slot_mapping,
+              const at::Tensor& midpoints, const at::Tensor& centroids, int64_t key_kind, int64_t value_bits,
+              bool norm_at_write, int64_t key_code_bytes, int64_t key_bytes, int64_t value_code_bytes,
+              int64_t slot_bytes) {
+  const auto kt = key.scalar_type();
+  TORCH_CHECK((kt == at::kFloat || kt == at::kBFloat16 || kt == at::kHalf) && value.scalar_type() == kt &&
+                  key.dim() == 3 && key.sizes() == value.sizes() && key.stride(2) == 1 && value.stride(2) == 1,
+              "key, value: fp32 / bf16 / fp16 [T, Hk, D] of one dtype, their last dimension contiguous");
+  const int qtype = kt == at::kBFloat16 ? kBF16 : kt == at::kHalf ? kF16 : kF32;
+  TORCH_CHECK(cache.scalar_type() == at::kByte && cache.dim() == 4 && cache.stride(3) == 1, "kv_cache: uint8, slots contiguous");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous(), "slot_mapping: int64");
+  const int64_t T = key.size(0), Hk = key.size(1), D = key.size(2);
+  TORCH_CHECK(D <= 256 && (D & (D - 1)) == 0, "head size: a power of two <= 256");
+  const void* k = key.data_ptr();
+  const void* v = value.data_ptr();
+  const int64_t k_st = key.stride(0), k_sh = key.stride(1), v_st = value.stride(0), v_sh = value.stride(1);
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  uint8_t* base = cache.data_ptr<uint8_t>();
+  const int64_t s0 = cache.stride(0), s1 = cache.stride(1), s2 = cache.stride(2), bs = cache.size(1);
+  const float* mid = midpoints.data_ptr<float>();
+  const float* cen = centroids.data_ptr<float>();
+  const float h_entry = float(1.0 / std::sqrt(double(D)));  // hadamard(): fp32 1 / sqrt(D)
+  const int top = (1 << value_bits) - 1;
+  at::parallel_for(0, T * Hk, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t t = item / Hk, h = item % Hk, slot = slots[t];
+      if (slot < 0) continue;
+      uint8_t* dst = base + (slot / bs) * s0 + (slot % bs) * s1 + h * s2;
+      float x[256], y[256];
+      for (int64_t d = 0; d < D; ++d) {
+        x[d] = load_elem(k, qtype, t * k_st + h * k_sh + d);
+        y[d] = load_elem(v, qtype, t * v_st + h * v_sh + d);
+      }
+      if (key_kind == 8) {
+        for (int64_t d = 0; d < D; ++d) {
+          const float c = std::min(std::max(x[d], -448.f), 448.f);
+          dst[d] = c10::Float8_e4m3fn(c).x;
+        }
+      } else {
+        encode_lloyd_max(x, D, int(key_kind), mid, cen, h_entry, norm_at_write, dst, key_code_bytes);
+      }
+      // values: q = trunc((v - min) / scale + 0.5), scale = max((max - min) / top, 1e-8), then scale, min
+      float low = y[0], high = y[0];
+      for (int64_t d = 1; d < D; ++d) low = std::min(low, y[d]), high = std::max(high, y[d]);
+      float scale = (high - low) / float(top);
+      if (!(scale > 1e-8f)) scale = 1e-8f;
+      uint8_t* vdst = dst + key_bytes;
+      std::memset(vdst, 0, value_code_bytes);
+      for (int64_t d = 0; d < D; ++d) {
+        int code = int((y[d] - low) / scale + 0.5f);
+        code = std::min(std::max(code, 0), top);
+        const int64_t bit = d * value_bits;
+        const uint32_t shifted = uint32_t(code) << (bit & 7);
+        vdst[bit >> 3] |= uint8_t(shifted & 0xff);
+        if (shifted >> 8) vdst[(bit >> 3) + 1] |= uint8_t(shifted >> 8);
+      }
+      const uint16_t sh = c10::Half(scale).x, lh = c10::Half(low).x;
+      std::memcpy(vdst + value_code_bytes, &sh, 2);
+      std::memcpy(vdst + value_code_bytes + 2, &lh, 2);
+      for (int64_t pad = key_bytes + value_code_bytes + 4; pad < slot_bytes; ++pad) dst[pad] = 0;
+    }
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY(tqkv_cpu, m) {
+  m.def("decode_attention(Tensor query, Tensor kv_cache, Tensor block_table, Tensor seq_lens, Tensor starts, "
+        "Tensor table, Tensor(a!) out, float scale, int key_kind, int value_bits, bool norm_correction, "
+        "int key_code_bytes, int key_bytes, int value_code_bytes, bool vectorized) -> ()");
+  m.impl("decode_attention", c10::DispatchKey::CPU, TORCH_FN(decode_attention));
+  m.def("has_avx2() -> bool", TORCH_FN(has_avx2));
+  m.def("kv_write(Tensor key, Tensor value, Tensor(a!) kv_cache, Tensor slot_mapping, Tensor midpoints, "
+        "Tensor centroids, int key_kind, int value_bits, bool norm_at_write, int key_code_bytes, int key_bytes, "
+        "int value_code_bytes, int slot_bytes) -> ()");
+  m.impl("kv_write", c10::DispatchKey::CPU, TORCH_FN(kv_write));
+}
