@@ -1,0 +1,85 @@
+"""Launch choices swept over cells of the shape matrix: the data the launcher's heuristics are fitted to.
+
+For each (shape, case) of :mod:`tqkv_compile.bench_shapes` and each preset: the default launch, then the stream
+and fragment kernels at each split count of ``--splits`` (counts that give more than ``--max-programs`` programs
+an SM, or fewer tiles than splits, are skipped). Timed as ``tqkv bench kernels --shapes`` times (CUDA-graph
+replay, cold L2). One JSON line a launch, and the list in ``--out`` (rewritten after every cell):
+``{"shape", "case", "preset", "kernel", "splits", "us"}`` (kernel ``default`` with splits null: the launcher's
+own choice).
+
+    python bench/launch_sweep.py --cells llama3-70b-tp8:1x131072,llama3-8b:32x16384x4rows --out sweep.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+import torch
+
+
+def main(argv: list[str]) -> int:
+    import tqkv_compile
+    from tqkv_compile.bench_kernels import _time_per_table, rotations
+    from tqkv_compile.bench_shapes import BLOCK_SIZE, CASES, SHAPES, _paged
+    from tqkv_compile.lowerings import gluon_decode
+    from tqkv_compile.lowerings.triton_attention import decode_attention
+    from tqkv_compile.run_meta import run_meta
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--cells", required=True, help="comma-separated shape:case pairs")
+    parser.add_argument("--presets", default="turboquant_4bit_nc")
+    parser.add_argument("--splits", default="1,2,4,8,16,32,48,64,96,128")
+    parser.add_argument("--kernels", default="stream,fragments")
+    parser.add_argument("--max-programs", type=int, default=16, help="programs an SM at most (%(default)s)")
+    parser.add_argument("--out")
+    args = parser.parse_args(argv)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    l2 = torch.cuda.get_device_properties(0).L2_cache_size
+    records: list[dict] = [run_meta("python bench/launch_sweep.py " + " ".join(argv))]
+    backend = tqkv_compile.get_backend("triton")
+    cells = [c.split(":") for c in args.cells.split(",") if c]
+    for n, (shape, case_name) in enumerate(cells, 1):
+        hq, hk, dim = SHAPES[shape]
+        case = CASES[case_name]
+        print(f"[sweep {n}/{len(cells)}] {shape} {case_name}", file=sys.stderr, flush=True)
+        rows = case.batch * case.rows
+        for name in args.presets.split(","):
+            p = tqkv_compile.get_preset(name, dim)
+            tables, num_blocks = _paged(case, rotations(sum(case.lens) * hk * p.slot_bytes, l2), "cuda")
+            cache = torch.randint(0, 100, (num_blocks, BLOCK_SIZE, hk, p.slot_bytes), dtype=torch.uint8,
+                                  device="cuda")
+            seq_lens = torch.tensor(case.lens, dtype=torch.int32, device="cuda")
+            qsl = torch.arange(0, rows + 1, case.rows, dtype=torch.int32, device="cuda")
+            q = torch.randn(rows, hq, dim, dtype=torch.bfloat16, device="cuda")
+            rotation, centroids, _ = backend.tables(p, q.device)
+            tiles = math.ceil(max(case.lens) / 64)
+            launches = [("default", None)]
+            for kernel in args.kernels.split(","):
+                if kernel == "fragments" and gluon_decode.supports(p, cache, hq // hk, q.device) is not None:
+                    continue
+                launches += [(kernel, s) for s in map(int, args.splits.split(","))
+                             if s <= tiles and rows * hk * s <= args.max_programs * sms]
+            for kernel, splits in launches:
+                kw = {} if kernel == "default" else dict(kernel=kernel, splits=splits)
+                rec = dict(shape=shape, case=case_name, preset=name, kernel=kernel, splits=splits)
+                try:
+                    us, _ = _time_per_table(lambda bt: decode_attention(q, cache, bt, seq_lens, qsl, dim**-0.5, p,
+                                                                        rotation, centroids, **kw), tables)
+                    rec["us"] = round(us, 1)
+                except Exception as exc:  # noqa: BLE001
+                    rec["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+                records.append(rec)
+                print(json.dumps(rec), flush=True)
+            del cache
+            torch.cuda.empty_cache()
+        if args.out:
+            Path(args.out).write_text(json.dumps(records, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
