@@ -4,8 +4,8 @@ For each (shape, case) of :mod:`tqkv_compile.bench_shapes` and each preset: the 
 and fragment kernels at each split count of ``--splits`` (counts that give more than ``--max-programs`` programs
 an SM, or fewer tiles than splits, are skipped). Timed as ``tqkv bench kernels --shapes`` times (CUDA-graph
 replay, cold L2). One JSON line a launch, and the list in ``--out`` (rewritten after every cell):
-``{"shape", "case", "preset", "kernel", "splits", "us"}`` (kernel ``default`` with splits null: the launcher's
-own choice).
+``{"shape", "case", "preset", "kernel", "splits", "rows_per_program", "us"}`` (kernel ``default`` with splits
+null: the launcher's own choice).
 
     python bench/launch_sweep.py --cells llama3-70b-tp8:1x131072,llama3-8b:32x16384x4rows --out sweep.json
 """
@@ -34,6 +34,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--presets", default="turboquant_4bit_nc")
     parser.add_argument("--splits", default="1,2,4,8,16,32,48,64,96,128")
     parser.add_argument("--kernels", default="stream,fragments")
+    parser.add_argument("--rows", default="1", help="the stream kernel's rows_per_program values (%(default)s)")
     parser.add_argument("--max-programs", type=int, default=16, help="programs an SM at most (%(default)s)")
     parser.add_argument("--out")
     args = parser.parse_args(argv)
@@ -57,15 +58,19 @@ def main(argv: list[str]) -> int:
             q = torch.randn(rows, hq, dim, dtype=torch.bfloat16, device="cuda")
             rotation, centroids, _ = backend.tables(p, q.device)
             tiles = math.ceil(max(case.lens) / 64)
-            launches = [("default", None)]
+            launches = [("default", None, None)]
             for kernel in args.kernels.split(","):
                 if kernel == "fragments" and gluon_decode.supports(p, cache, hq // hk, q.device) is not None:
                     continue
-                launches += [(kernel, s) for s in map(int, args.splits.split(","))
-                             if s <= tiles and rows * hk * s <= args.max_programs * sms]
-            for kernel, splits in launches:
-                kw = {} if kernel == "default" else dict(kernel=kernel, splits=splits)
-                rec = dict(shape=shape, case=case_name, preset=name, kernel=kernel, splits=splits)
+                for packed in map(int, args.rows.split(",")) if kernel == "stream" else [1]:
+                    if packed > 1 and case.rows == 1:
+                        continue
+                    launches += [(kernel, s, packed) for s in map(int, args.splits.split(","))
+                                 if s <= tiles and math.ceil(rows / packed) * hk * s <= args.max_programs * sms]
+            for kernel, splits, packed in launches:
+                kw = {} if kernel == "default" else dict(kernel=kernel, splits=splits, rows_per_program=packed)
+                rec = dict(shape=shape, case=case_name, preset=name, kernel=kernel, splits=splits,
+                           rows_per_program=packed)
                 try:
                     us, _ = _time_per_table(lambda bt: decode_attention(q, cache, bt, seq_lens, qsl, dim**-0.5, p,
                                                                         rotation, centroids, **kw), tables)

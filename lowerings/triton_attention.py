@@ -228,6 +228,43 @@ def _split_span(row, kv_head, split, qsl_ptr, seq_lens_ptr, num_seqs, max_len, G
 
 
 @triton.jit
+def _rows_span(block, kv_head, split, qsl_ptr, seq_lens_ptr, num_seqs, max_len, s_qt, s_qh, GROUP: tl.constexpr,
+               BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+               SEARCH_STEPS: tl.constexpr, ROWS: tl.constexpr):
+    """:func:`_split_span` for a program that serves ROWS consecutive query rows of one sequence at once (their
+    GROUP query heads each: ROWS x GROUP columns), so the rows share one read of the keys and values: (seq, begin,
+    end, q_off, part, head_ok, limit), ``q_off`` each column's offset in the query, ``limit`` [BLOCK_H] each
+    column's causal length (its row's; ``end`` is the longest's, so a column may have no position in a split).
+    Programs are numbered as vLLM's unified attention numbers its query blocks: sequence s's first is
+    ``qsl[s] // ROWS + s`` (ceil(n / ROWS) blocks fit before the next sequence's first), so the grid of
+    ``rows // ROWS + num_seqs`` programs is fixed by shapes; a program past its sequence's rows has no column."""
+    lo = block * 0  # the sequences after the first whose first program is <= block, by bisection
+    hi = lo + num_seqs - 1
+    for _ in range(SEARCH_STEPS):
+        mid = (lo + hi) // 2
+        go = tl.load(qsl_ptr + 1 + mid, mask=mid < num_seqs - 1, other=0) // ROWS + mid + 1 <= block
+        active = lo < hi
+        lo = tl.where(active & go, mid + 1, lo)
+        hi = tl.where(active & (go == 0), mid, hi)
+    seq = lo
+    start = tl.load(qsl_ptr + seq)
+    stop = tl.load(qsl_ptr + seq + 1)
+    first_row = start + (block - (start // ROWS + seq)) * ROWS
+    h = tl.arange(0, BLOCK_H)
+    row = first_row + h // GROUP
+    q_heads = kv_head * GROUP + h % GROUP
+    head_ok = (h < ROWS * GROUP) & (row < stop)
+    limit = tl.load(seq_lens_ptr + seq) - (stop - start) + (row - start) + 1
+    limit = tl.where(head_ok, tl.minimum(limit, max_len), 0)
+    longest = tl.max(limit, axis=0)
+    per_split = tl.cdiv(tl.cdiv(longest, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    begin = split * per_split
+    end = tl.minimum(begin + per_split, longest)
+    part = (row * (GROUP * tl.num_programs(1)) + q_heads) * NUM_SPLITS + split
+    return seq, begin, end, row * s_qt + q_heads * s_qh, part, head_ok, limit
+
+
+@triton.jit
 def _tile_base(bt_row, s_bm, start, end, n, kv_head, s_blk, s_pos, s_head, BLOCK_SIZE: tl.constexpr,
                INDEX32: tl.constexpr):
     """Offset of each slot of the tile at start (0 past end), in the strides' unit (bytes; the stream
@@ -255,12 +292,18 @@ def _tile_base(bt_row, s_bm, start, end, n, kv_head, s_blk, s_pos, s_head, BLOCK
 
 
 @triton.jit
-def _softmax_step(scores, m_i, l_i, AXIS: tl.constexpr = 1):
+def _softmax_step(scores, m_i, l_i, AXIS: tl.constexpr = 1, EMPTY: tl.constexpr = False):
     """Online softmax in base 2 over one tile of scores, the positions along AXIS ([BLOCK_H, N]: 1; the stream
-    kernel's transposed [N, BLOCK_H]: 0): (p, alpha, new max, new sum)."""
+    kernel's transposed [N, BLOCK_H]: 0): (p, alpha, new max, new sum). EMPTY: a column may have no position yet
+    (all -inf so far): its p and alpha are 0, not NaN, and its max stays -inf."""
     m_new = tl.maximum(m_i, tl.max(scores, axis=AXIS))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(scores - tl.expand_dims(m_new, AXIS))
+    if EMPTY:
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_use)
+        p = tl.exp2(scores - tl.expand_dims(m_use, AXIS))
+    else:
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(scores - tl.expand_dims(m_new, AXIS))
     return p, alpha, m_new, l_i * alpha + tl.sum(p, axis=AXIS)
 
 
@@ -601,15 +644,16 @@ def _lut3_fp16(words, lut_ptr):
 
 
 @triton.jit
-def _stream_query(q_ptr, signs_ptr, row, q_heads, head_ok, s_qt, s_qh, s_qd, D: tl.constexpr,
+def _stream_query(q_ptr, signs_ptr, q_off, head_ok, s_qd, D: tl.constexpr,
                   BLOCK_H: tl.constexpr, ROTATE: tl.constexpr, Q_PRE: tl.constexpr, Q_POST: tl.constexpr,
                   DTYPE: tl.constexpr, PRECISION: tl.constexpr):
-    """The query group [BLOCK_H, D] as the tile loop's dot needs it, from the model's query: times Q_PRE (a
+    """The query columns [BLOCK_H, D] (each at ``q_off``: its row and head) as the tile loop's dot needs them,
+    from the model's query: times Q_PRE (a
     power of two: exact), rotated by the Hadamard signs (+-1 in fp16 [D, D]: exact products, fp32 sums) where
     ROTATE, times Q_POST, in DTYPE. Q_PRE x Q_POST is the softmax scale x log2(e) (/ sqrt(D) with the
     rotation), so this equals :func:`~tqkv_compile.lowerings.triton_query.prepare_query`'s query but for the
     order of the fp32 sums, and it costs no launch of its own."""
-    rows = q_ptr + row * s_qt + q_heads[:, None] * s_qh
+    rows = q_ptr + q_off[:, None]
     d = tl.arange(0, D)
     if ROTATE:
         ROT_K: tl.constexpr = 32 if D >= 32 else D
@@ -655,7 +699,7 @@ def _decode_stream_kernel(
     DOT_FP32: tl.constexpr, KEY_WORD: tl.constexpr, VALUE_WORD: tl.constexpr, PREFETCH: tl.constexpr,
     ASM: tl.constexpr, INDEX32: tl.constexpr,
     QUERY_IN_KERNEL: tl.constexpr, ROTATE_QUERY: tl.constexpr, Q_PRE: tl.constexpr, Q_POST: tl.constexpr,
-    GDC: tl.constexpr = False,
+    ROWS: tl.constexpr = 1, GDC: tl.constexpr = False,
 ):
     """The split kernel's contract (see :func:`_decode_split_kernel`) for fp8, 4-bit or 3-bit Lloyd-Max keys with
     4-bit or 3-bit uniform values (vLLM's four presets), a cache whose last stride is 1 and whose fields are WORD-
@@ -668,7 +712,8 @@ def _decode_stream_kernel(
     PREFETCH, the next tile's words and the tile after's block ids are loaded before the current tile is computed
     (software pipelining by hand: the loads are in flight during the math). With QUERY_IN_KERNEL, ``q_ptr`` is the
     model's query and :func:`_stream_query` rotates and scales it (no launch of :func:`prepare_query`); otherwise it
-    is prepare_query's."""
+    is prepare_query's. ROWS > 1: a program serves that many consecutive query rows of a sequence
+    (:func:`_rows_span`; grid axis 0 counts row blocks), each column masked at its own causal length."""
     wait_and_release(GDC)
     row = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -679,19 +724,26 @@ def _decode_stream_kernel(
     vptr = cache_ptr.to(tl.pointer_type(tl.int32 if VALUE_WORD == 4 else tl.int16), bitcast=True)
     hptr = cache_ptr.to(tl.pointer_type(tl.float16), bitcast=True)
 
-    seq, begin, end, q_heads, part, head_ok = _split_span(row, kv_head, split, qsl_ptr, seq_lens_ptr, num_seqs,
-                                                          max_len, GROUP, BLOCK_H, BLOCK_N, NUM_SPLITS, SEARCH_STEPS)
+    if ROWS == 1:
+        seq, begin, end, q_heads, part, head_ok = _split_span(row, kv_head, split, qsl_ptr, seq_lens_ptr,
+                                                              num_seqs, max_len, GROUP, BLOCK_H, BLOCK_N,
+                                                              NUM_SPLITS, SEARCH_STEPS)
+        q_off = row * s_qt + q_heads * s_qh
+        limit = end
+    else:
+        seq, begin, end, q_off, part, head_ok, limit = _rows_span(row, kv_head, split, qsl_ptr, seq_lens_ptr,
+                                                                  num_seqs, max_len, s_qt, s_qh, GROUP, BLOCK_H,
+                                                                  BLOCK_N, NUM_SPLITS, SEARCH_STEPS, ROWS)
     if begin >= end:
         tl.store(part_lse_ptr + part, tl.full((BLOCK_H,), float("-inf"), tl.float32), mask=head_ok)
         return
 
     d = tl.arange(0, D)
     if QUERY_IN_KERNEL:
-        q = _stream_query(q_ptr, signs_ptr, row, q_heads, head_ok, s_qt, s_qh, s_qd, D, BLOCK_H, ROTATE_QUERY,
-                          Q_PRE, Q_POST, DTYPE, PRECISION)
+        q = _stream_query(q_ptr, signs_ptr, q_off, head_ok, s_qd, D, BLOCK_H, ROTATE_QUERY, Q_PRE, Q_POST, DTYPE,
+                          PRECISION)
     else:
-        q = tl.load(q_ptr + row * s_qt + q_heads[:, None] * s_qh + d[None, :] * s_qd, mask=head_ok[:, None],
-                    other=0.0)
+        q = tl.load(q_ptr + q_off[:, None] + d[None, :] * s_qd, mask=head_ok[:, None], other=0.0)
         q = _operand(q, DTYPE)
     if NORM_CORRECTION:
         ones = tl.full((D, BLOCK_H), 1.0, DTYPE)
@@ -740,8 +792,11 @@ def _decode_stream_kernel(
                 scores = scores * (knorm[:, None] / tl.sqrt(sumsq + 1e-16))
             else:
                 scores = scores * knorm[:, None]
-        scores = tl.where(valid[:, None], scores, float("-inf"))
-        p, alpha, m_i, l_i = _softmax_step(scores, m_i, l_i, 0)
+        if ROWS == 1:
+            scores = tl.where(valid[:, None], scores, float("-inf"))
+        else:  # each column its own row's causal length (<= end)
+            scores = tl.where((start + n)[:, None] < limit[None, :], scores, float("-inf"))
+        p, alpha, m_i, l_i = _softmax_step(scores, m_i, l_i, 0, ROWS > 1)
 
         # ---- values: P.V = (P * scale) . code + P . zero, the codes as fp16 f * code * 2^-24 with f = 1 in even
         # columns and 16 in odd ones (the cheapest exact unpacking); 2^-24 and f come out after the loop.
@@ -771,7 +826,10 @@ def _decode_stream_kernel(
                                                           KEY_CODE_BYTES, KEY_WORD, VALUE_BITS, VALUE_OFFSET,
                                                           VALUE_CODE_BYTES, VALUE_WORD)
 
-    inv = 1.0 / l_i
+    if ROWS == 1:
+        inv = 1.0 / l_i
+    else:  # a column without a position in this split: its partial 0 (its -inf log-sum-exp drops it anyway)
+        inv = tl.where(l_i > 0, 1.0 / l_i, 0.0)
     if VALUE_BITS == 3:
         f = tl.full((D,), 1.0, tl.float32)
     else:
@@ -863,6 +921,15 @@ def num_splits(rows: int, kv_heads: int, max_len: int, device: torch.device, blo
         return triton.cdiv(pairs * splits, slots) * (triton.cdiv(tiles, splits) + 2)
 
     return min(range(1, most + 1), key=lambda s: (cost(s), -s))
+
+
+def packed_rows(rows: int, num_seqs: int, group: int) -> int:
+    """Query rows of a sequence one stream-kernel program serves from one read of its keys and values
+    (speculative verification, short chunks): the batch's rows a sequence (rows // sequences, from shapes: graph-
+    stable), at most 16 columns (rows x query-head group: the dots' N side, where 8 of a group of 4 already
+    pad); 1 where sequences have one row each or the group alone fills 16 columns."""
+    per_seq = rows // max(num_seqs, 1)
+    return max(1, min(per_seq, 16 // group)) if per_seq >= 2 else 1
 
 
 def programs_per_sm(maxnreg: int, num_warps: int) -> int:
@@ -959,7 +1026,8 @@ def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: t
                      maxnreg: int | None = None, lut: torch.Tensor | None = None,
                      index32: bool | None = None, signs: torch.Tensor | None = None,
                      query_in_kernel: bool | None = None, launch=None,
-                     out: torch.Tensor | None = None, key_table: int | None = None) -> torch.Tensor:
+                     out: torch.Tensor | None = None, key_table: int | None = None,
+                     rows_per_program: int | None = None) -> torch.Tensor:
     """query [T, Hq, D] -> out [T, Hq, D] (query dtype); see the module docstring and ops.attention.
     ``kernel``: "stream" or "bytes" (default: :func:`default_kernel`); the other keywords are tuning
     knobs (the measured best by default). ``lut``: the stream kernel's key lookup table (default:
@@ -976,7 +1044,10 @@ def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: t
     :func:`gluon_decode.default_stage`; the other kernels have none and ignore it).
     ``maxnreg``: the register cap (default: the measured one for the kernel and ``prefetch``). ``key_table``: the
     fragment kernel's 4-bit key lookup (0: byte permutes, 8 / 32: a table of pairs in shared memory with that many
-    copies; default :func:`gluon_decode.default_key_table`; the other kernels ignore it)."""
+    copies; default :func:`gluon_decode.default_key_table`; the other kernels ignore it). ``rows_per_program``:
+    query rows of a sequence the stream kernel serves from one read of the cache (default
+    :func:`packed_rows`, which also makes the launcher take the stream kernel where it is above 1; the
+    other kernels serve one row a program)."""
     require_vllm_layout(preset)
     if launch is None:
         launch = _plain_launch
@@ -992,10 +1063,12 @@ def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: t
         return out
     interpret = query.device.type == "cpu"
     max_len = block_table.shape[1] * kv_cache.shape[1]
+    num_seqs = seq_lens.shape[0]
+    packed = packed_rows(rows, num_seqs, group) if rows_per_program is None else rows_per_program
     if kernel is None:
         kernel = default_kernel(preset, kv_cache, query.device)
-        if kernel == "stream" and launch is _plain_launch and gluon_decode.wanted(preset, kv_cache, group, rows,
-                                                                                  max_len, query.device):
+        if kernel == "stream" and packed == 1 and launch is _plain_launch and \
+                gluon_decode.wanted(preset, kv_cache, group, rows, max_len, query.device):
             kernel = "fragments"  # where it is faster (not traced by Inductor: launched here)
     elif kernel == "fragments":
         if (why := gluon_decode.supports(preset, kv_cache, group, query.device, stage)) is not None:
@@ -1004,6 +1077,13 @@ def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: t
             raise ValueError("kernel='fragments': a Gluon kernel is not launched from Inductor's code (yet)")
     if kernel not in ("stream", "bytes", "fragments"):
         raise ValueError(f"kernel: expected 'stream', 'bytes' or 'fragments', got {kernel!r}")
+    if kernel != "stream":
+        if rows_per_program not in (None, 1):
+            raise ValueError(f"rows_per_program={rows_per_program}: the {kernel} kernel serves one row a program")
+        packed = 1
+    elif packed < 1 or packed * group > 64:
+        raise ValueError(f"rows_per_program: expected 1 .. {64 // group} at a query-head group of {group}, "
+                         f"got {packed}")
     if kernel == "fragments":
         block_n, num_warps = gluon_decode.BLOCK_N, gluon_decode.NUM_WARPS
         prefetch, stage = gluon_decode.loop_settings(preset, prefetch, stage)
@@ -1022,11 +1102,15 @@ def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: t
         maxnreg = maxnreg or (128 if dim <= 128 else 168)
     if splits is None:
         occupancy = programs_per_sm(maxnreg, num_warps or 4) if kernel != "bytes" and maxnreg else None
-        splits = num_splits(rows, kv_heads, max_len, query.device, block_n, occupancy)
+        splits = num_splits(triton.cdiv(rows, packed), kv_heads, max_len, query.device, block_n, occupancy)
     part_out = torch.empty(rows, heads, splits, dim, dtype=torch.float32, device=query.device)
-    part_lse = torch.empty(rows, heads, splits, dtype=torch.float32, device=query.device)
+    # row blocks cover the sequences' rows only: rows past the last sequence (a padded batch) get no program, and
+    # -inf partials make the merge answer 0 for them, as the one-row programs do
+    if packed == 1:
+        part_lse = torch.empty(rows, heads, splits, dtype=torch.float32, device=query.device)
+    else:
+        part_lse = torch.full((rows, heads, splits), float("-inf"), dtype=torch.float32, device=query.device)
     pdl = dependent_launch.options(query.device, traced=launch is not _plain_launch)
-    num_seqs = seq_lens.shape[0]
     common = dict(GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), D=dim, BLOCK_SIZE=kv_cache.shape[1],
                   BLOCK_N=block_n, NUM_SPLITS=splits, SEARCH_STEPS=max(1, math.ceil(math.log2(num_seqs + 1))),
                   KEY_FP8=preset.key_fp8, KEY_BITS=preset.key_bits, KEY_CODE_BYTES=preset.key_code_bytes,
@@ -1048,11 +1132,12 @@ def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: t
             q = prepare_query(query, rotation if rotate else None, scale * LOG2E, _traced(launch))
             signs = q
         lut = lut if lut is not None else key_lut(preset, query.device)
-        launch(_decode_stream_kernel)[(rows, kv_heads, splits)](
+        grid_rows = rows if packed == 1 else rows // packed + num_seqs  # (see _rows_span)
+        launch(_decode_stream_kernel)[(grid_rows, kv_heads, splits)](
             q, signs, kv_cache, block_table, seq_lens, query_start_loc, centroids, lut, part_out, part_lse,
             num_seqs, max_len, *q.stride(), *block_table.stride(),
             *(st // 2 for st in kv_cache.stride()[:3]),
-            GROUP=common["GROUP"], BLOCK_H=max(8, triton.next_power_of_2(group)), D=dim, BLOCK_SIZE=kv_cache.shape[1], BLOCK_N=block_n,
+            GROUP=common["GROUP"], BLOCK_H=max(8, triton.next_power_of_2(group * packed)), D=dim, BLOCK_SIZE=kv_cache.shape[1], BLOCK_N=block_n,
             NUM_SPLITS=splits, SEARCH_STEPS=common["SEARCH_STEPS"], KEY_FP8=preset.key_fp8,
             KEY_BITS=preset.key_bits, KEY_CODE_BYTES=preset.key_code_bytes, NORM_CORRECTION=preset.norm_correction,
             VALUE_BITS=preset.value_bits, VALUE_OFFSET=preset.key_bytes, VALUE_CODE_BYTES=preset.value_code_bytes, DOT_FP32=interpret,
@@ -1060,7 +1145,7 @@ def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: t
             INDEX32=index32 is not False and halves_span(kv_cache) < 2**31,
             QUERY_IN_KERNEL=query_in_kernel, ROTATE_QUERY=rotate and query_in_kernel,
             Q_PRE=q_pre if query_in_kernel else 1.0, Q_POST=q_scale / q_pre if query_in_kernel else 1.0,
-            num_warps=num_warps or 4, num_stages=num_stages or 1,
+            ROWS=packed, num_warps=num_warps or 4, num_stages=num_stages or 1,
             **pdl,
             **({} if maxnreg is None else {"maxnreg": maxnreg}),
         )

@@ -138,3 +138,27 @@ def test_general_kernel_and_kv_dot_meet_the_oracle_for_a_preset_of_ours():
     finite = torch.isfinite(exact)
     assert torch.equal(finite, torch.isfinite(logits))
     torch.testing.assert_close(logits[finite], exact[finite], rtol=0, atol=2e-3)
+
+
+def test_stream_kernel_serves_several_rows_a_sequence_from_one_read():
+    """Rows of a sequence packed into one program (``rows_per_program``) answer as one row a program does and
+    meet the oracle: 4 and 3 rows a sequence, packed by 3 (a block straddles nothing: each sequence has its own),
+    two splits of 33 positions, whose second holds one position (the first three rows' columns have none there),
+    and two padding rows past the last sequence (answered 0)."""
+    preset = get_preset("turboquant_4bit_nc", 64)
+    cache, table, lens, qsl, query = _paged(preset, [33, 200], [4, 3], kv_heads=1, group=3, seed=6)
+    query = torch.cat([query, query[:2]])  # a padded batch: rows after query_start_loc's last entry
+    from tqkv_compile.lowerings.triton_attention import decode_attention, packed_rows
+
+    assert packed_rows(9, 2, 3) == 4 and packed_rows(7, 2, 3) == 3 and packed_rows(2, 2, 3) == 1
+    rotation, centroids, _ = tqkv_compile.get_backend("triton").tables(preset, query.device)
+    outs = [decode_attention(query, cache, table, lens, qsl, 0.125, preset, rotation, centroids, kernel="stream",
+                             splits=2, rows_per_program=r) for r in (1, 3)]
+    exact = oracle.exact_attention(query[:7], cache, table, lens, qsl, 0.125, preset)
+    for out in outs:
+        _within_tolerance(out[:7], exact)
+        assert torch.equal(out[7:], torch.zeros_like(out[7:]))
+    torch.testing.assert_close(outs[1], outs[0], rtol=0, atol=2e-3)
+    with pytest.raises(ValueError, match="one row a program"):
+        decode_attention(query, cache, table, lens, qsl, 0.125, preset, rotation, centroids, kernel="bytes",
+                         rows_per_program=2)
