@@ -892,7 +892,7 @@ def _sm_count(device: torch.device) -> int:
 
 
 def num_splits(rows: int, kv_heads: int, max_len: int, device: torch.device, block_n: int,
-               programs_per_sm: int | None = None) -> int:
+               programs_per_sm: int | None = None, most_splits: int = 128) -> int:
     """Splits per (row, kv head), from shapes only, so a CUDA graph captured at one shape replays at it.
 
     With ``programs_per_sm`` (how many of the kernel's programs an SM holds at once: the stream kernel's
@@ -904,7 +904,10 @@ def num_splits(rows: int, kv_heads: int, max_len: int, device: torch.device, blo
     (its max_model_len) is often far wider than its sequences, whose tiles the larger count spreads thinner
     (a 131072-position table: 64 and 66 splits rate equal; a 32800-position sequence then takes 5 tiles a
     program at 64, 4 at 66). The cost: at exactly 32768 positions (256 tiles, 4 a program either way) 66
-    splits are slower than 64 (two empty programs a kv head, a second merge chunk).
+    splits are slower than 64 (two empty programs a kv head, a second merge chunk). ``most_splits``: the stream
+    kernel takes 256 (one sequence on one or two kv heads: 1 x 131072 at 8 / 1 heads 42.0 -> 32.7 us, at 14 / 2
+    heads of 64 37.9 -> 30.6; H100, bench/results/h100-launch-sweep-packed.json), the fragment kernel 128 (no gain
+    past it there: 29.4 / 29.6 us).
     Without ``programs_per_sm`` (the word and byte kernels, the interpreter): ~4 programs an SM, each split
     >= 4 tiles, at most 64."""
     pairs = max(rows * kv_heads, 1)
@@ -914,8 +917,8 @@ def num_splits(rows: int, kv_heads: int, max_len: int, device: torch.device, blo
     slots = programs_per_sm * _sm_count(device)
     tiles = max(1, triton.cdiv(max_len, block_n))
     # never above that count: max_len is the block table's width (an engine's max_model_len), often far above
-    # the batch's real lengths, and the count must not grow with it (128: one merge pass up to head 128)
-    most = min(tiles, wanted, 128)
+    # the batch's real lengths, and the count must not grow with it
+    most = min(tiles, wanted, most_splits)
 
     def cost(splits: int) -> int:
         return triton.cdiv(pairs * splits, slots) * (triton.cdiv(tiles, splits) + 2)
@@ -926,10 +929,13 @@ def num_splits(rows: int, kv_heads: int, max_len: int, device: torch.device, blo
 def packed_rows(rows: int, num_seqs: int, group: int) -> int:
     """Query rows of a sequence one stream-kernel program serves from one read of its keys and values
     (speculative verification, short chunks): the batch's rows a sequence (rows // sequences, from shapes: graph-
-    stable), at most 16 columns (rows x query-head group: the dots' N side, where 8 of a group of 4 already
-    pad); 1 where sequences have one row each or the group alone fills 16 columns."""
+    stable), at most 32 columns (rows x query-head group: the dots' N side); 1 where sequences have one row each,
+    and at groups of 8 and more, where the fragment kernel's one row a program stayed faster. Measured on an H100
+    at 32 x 16384 with 4 rows a sequence (bench/results/h100-launch-sweep-packed.json, 4bit_nc): 32 / 8 heads
+    1153 us (fragments) -> 816 (4 rows packed); 28 / 4 heads 596 -> 571 (4 rows; 2 rows: 788); 8 / 1 heads
+    163 (fragments) against 186-230 packed."""
     per_seq = rows // max(num_seqs, 1)
-    return max(1, min(per_seq, 16 // group)) if per_seq >= 2 else 1
+    return max(1, min(per_seq, 32 // group)) if per_seq >= 2 and group < 8 else 1
 
 
 def programs_per_sm(maxnreg: int, num_warps: int) -> int:
@@ -1102,7 +1108,8 @@ def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: t
         maxnreg = maxnreg or (128 if dim <= 128 else 168)
     if splits is None:
         occupancy = programs_per_sm(maxnreg, num_warps or 4) if kernel != "bytes" and maxnreg else None
-        splits = num_splits(triton.cdiv(rows, packed), kv_heads, max_len, query.device, block_n, occupancy)
+        splits = num_splits(triton.cdiv(rows, packed), kv_heads, max_len, query.device, block_n, occupancy,
+                            most_splits=256 if kernel == "stream" else 128)
     part_out = torch.empty(rows, heads, splits, dim, dtype=torch.float32, device=query.device)
     # row blocks cover the sequences' rows only: rows past the last sequence (a padded batch) get no program, and
     # -inf partials make the merge answer 0 for them, as the one-row programs do

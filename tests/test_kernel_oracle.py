@@ -151,6 +151,7 @@ def test_stream_kernel_serves_several_rows_a_sequence_from_one_read():
     from tqkv_compile.lowerings.triton_attention import decode_attention, packed_rows
 
     assert packed_rows(9, 2, 3) == 4 and packed_rows(7, 2, 3) == 3 and packed_rows(2, 2, 3) == 1
+    assert packed_rows(8, 2, 8) == 1 and packed_rows(64, 2, 7) == 4  # (group 8: the fragment kernel; 32 columns)
     rotation, centroids, _ = tqkv_compile.get_backend("triton").tables(preset, query.device)
     outs = [decode_attention(query, cache, table, lens, qsl, 0.125, preset, rotation, centroids, kernel="stream",
                              splits=2, rows_per_program=r) for r in (1, 3)]

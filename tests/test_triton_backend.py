@@ -548,6 +548,9 @@ def test_split_count_follows_the_wave_model(monkeypatch):
         assert 1 <= ta.num_splits(rows, 8, length, cuda, 64, 3) <= min(128, -(-length // 64))
     # one kv head (a tensor-parallel rank's share): 128 programs on 132 SMs rather than 64
     assert ta.num_splits(1, 1, 1 << 20, cuda, 64, 3) == 128
+    # the stream kernel's cap of 256 (measured faster there at one sequence on one or two kv heads)
+    assert ta.num_splits(1, 1, 1 << 20, cuda, 64, 4, most_splits=256) == 256
+    assert ta.num_splits(1, 2, 131072, cuda, 64, 4, most_splits=256) == 256
     # the table's width (an engine's max_model_len) may be far above the real lengths: the count stays where
     # ~4 programs an SM are launched, however wide the table
     for rows in (1, 4, 16, 64):
@@ -847,7 +850,7 @@ def test_stream_launch_sizes_its_splits_by_occupancy(monkeypatch):
 
     seen = []
     real = ta.num_splits
-    monkeypatch.setattr(ta, "num_splits", lambda *a: seen.append(a[5:]) or real(*a))
+    monkeypatch.setattr(ta, "num_splits", lambda *a, **kw: seen.append(a[5:]) or real(*a, **kw))
     preset = get_preset("turboquant_4bit_nc", 64)
     for kernel, maxnreg in [("stream", 168), ("stream", None), ("bytes", 168)]:
         out, expected = _attention_both(preset, 4, torch.float16, [1, 1], [30, 21], seed=2, kernel=kernel,
