@@ -39,7 +39,7 @@ from a table of the 256 fp16 pairs in shared memory (:func:`_table4_pairs`: 6 in
 shared loads), kept past Triton's own shared memory with 32 copies side by side so that a warp's lanes hit
 different banks (:func:`default_key_table`).
 
-Defaults: STAGE 1 (2 for 3-bit fields: :func:`default_stage`); :func:`preferred` says where the kernel wins, and
+Defaults: STAGE 1 (2 for 3-bit fields: :func:`default_stage`); ``launch_choices.fragments_preferred`` says where the kernel wins, and
 the launcher takes it there by default (``TQKV_FRAGMENT_KERNEL=0`` turns it off, ``=1`` takes it wherever it can
 serve the call; or ``decode_attention(kernel="fragments")``). ``tqkv bench kernels --check`` is its correctness
 test on a GPU (docs/kernels.md). Contract: :func:`_decode_stream_kernel`'s (partials and their base-2
@@ -66,6 +66,7 @@ except ImportError:  # pragma: no cover - older triton
 from tqkv_compile.codec import Preset
 from tqkv_compile.lowerings.cache_tables import halves_span
 from tqkv_compile.lowerings.cache_tables import key_lut as stream_lut
+from tqkv_compile.lowerings.launch_choices import fragments_preferred
 
 BLOCK_N = 64
 NUM_WARPS = 4
@@ -73,7 +74,7 @@ ENV = "TQKV_FRAGMENT_KERNEL"
 
 
 def mode() -> str:
-    """``TQKV_FRAGMENT_KERNEL``: ``auto`` (the default: :func:`preferred` decides), ``1`` (wherever it can serve
+    """``TQKV_FRAGMENT_KERNEL``: ``auto`` (the default: ``launch_choices.fragments_preferred`` decides), ``1`` (wherever it can serve
     the call), ``0`` (never: the stream kernel)."""
     return _setting(ENV, "auto", ("auto", "0", "1"))
 
@@ -92,25 +93,13 @@ def _setting(name: str, default: str, choices: tuple) -> str:
     return value
 
 
-def preferred(preset: Preset, rows: int, max_len: int) -> bool:
-    """Where the fragment kernel is the faster one, from the shapes alone (graph-stable): batches above 1 or
-    tables of 16384 positions and more (fp8 keys: batches of 16 and more, or the long tables). Measured, it won
-    for every preset at 64 x 32768, 1 x 32768 and 64 x 4096 and lost at 1 x 4096: a small grid, where the heavier
-    prologue and epilogue of few tiles a program weigh (for fp8 keys the stream kernel also prepares the query
-    itself: one launch fewer), so the stream kernel serves those. 3-bit fields need STAGE 1 / 2
-    (:func:`supports`; at STAGE 0 the launcher keeps the stream kernel for them). The measurements behind the
-    rule: docs/performance-history.md."""
-    if preset.key_fp8:
-        return rows >= 16 or max_len >= 16384
-    return rows > 1 or max_len >= 16384
-
-
 def wanted(preset: Preset, kv_cache: torch.Tensor, group: int, rows: int, max_len: int,
            device: torch.device) -> bool:
     """Whether the launcher takes this kernel by itself for the call: ``TQKV_FRAGMENT_KERNEL`` (:func:`mode`:
-    ``1`` wherever it can serve, ``auto`` where :func:`preferred`), and it can serve the call (:func:`supports`)."""
+    ``1`` wherever it can serve, ``auto`` where ``launch_choices.fragments_preferred``), and it can serve the
+    call (:func:`supports`)."""
     chosen = mode()
-    return (chosen == "1" or (chosen == "auto" and preferred(preset, rows, max_len))) and \
+    return (chosen == "1" or (chosen == "auto" and fragments_preferred(preset, rows, max_len))) and \
         supports(preset, kv_cache, group, device) is None
 
 

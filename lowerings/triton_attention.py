@@ -22,7 +22,9 @@ Two split kernels share that contract: ``_decode_stream_kernel`` (fields read as
 vLLM's four layouts, the one every engine cache takes) and ``_decode_split_kernel`` (byte loads: any view,
 the fallback); :func:`default_kernel` picks. A third, :mod:`gluon_decode`'s fragment kernel (4-bit or fp8 keys
 with 4-bit values, Gluon: each thread loads its own mma fragments' codes), takes their place on CUDA where it
-is the faster one (``gluon_decode.preferred``). How the defaults were chosen: docs/performance-history.md.
+is the faster one. Several query rows of a sequence (speculative verification) share one stream-kernel program
+and one read of the cache (``ROWS``). The launch choices (kernel, tile, splits, rows a program) are
+:mod:`~tqkv_compile.lowerings.launch_choices`'s; how they were measured: docs/performance-history.md.
 """
 
 from __future__ import annotations
@@ -37,6 +39,9 @@ from tqkv_compile.codec import Preset
 from tqkv_compile.lowerings import dependent_launch, gluon_decode
 from tqkv_compile.lowerings.cache_tables import halves_span, key_lut
 from tqkv_compile.lowerings.dependent_launch import wait_and_release
+from tqkv_compile.lowerings.launch_choices import (merge_chunk, merge_warps, num_splits, packed_rows,
+                                                   programs_per_sm, query_in_stream_kernel, stream_block_n,
+                                                   stream_maxnreg)
 from tqkv_compile.lowerings.triton_query import prepare_query
 from tqkv_compile.rotation import hadamard
 
@@ -867,84 +872,6 @@ def _merge_kernel(part_out_ptr, part_lse_ptr, out_ptr, s_ot, s_oh, s_od,
     tl.store(out_ptr + row * s_ot + head * s_oh + d * s_od, out.to(out_ptr.dtype.element_ty))
 
 
-def merge_chunk(splits: int, dim: int) -> int:
-    """The merge kernel's chunk of splits: their power of two, in one pass up to 128 splits at head sizes up to
-    128 (one pass was faster than chunks of 64), chunks of 64 above (a [128, 256] fp32 tile would be 128
-    registers a thread at 8 warps; not measured)."""
-    return min(triton.next_power_of_2(splits), 128 if dim <= 128 else 64)
-
-
-def merge_warps(chunk: int) -> int:
-    """The merge kernel's warps: 4 up to a [64, D] chunk, 8 for a [128, D] one (the same registers a thread)."""
-    return 4 if chunk <= 64 else 8
-
-
-_SM_COUNT: dict[int, int] = {}
-
-
-def _sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 4
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _SM_COUNT:
-        _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return _SM_COUNT[index]
-
-
-def num_splits(rows: int, kv_heads: int, max_len: int, device: torch.device, block_n: int,
-               programs_per_sm: int | None = None, most_splits: int = 128) -> int:
-    """Splits per (row, kv head), from shapes only, so a CUDA graph captured at one shape replays at it.
-
-    With ``programs_per_sm`` (how many of the kernel's programs an SM holds at once: the stream kernel's
-    register cap fixes it) the split count minimises a wave model of the launch: time ~ waves x (tiles per
-    program + 2), waves = ceil(programs / resident slots); it fits a split sweep on the H200
-    (docs/performance-history.md). Never more splits than fill the GPU ~4 times, nor 128 (at 64, k8v4 at
-    batch 1 with 128-position tiles ran 52 splits of 5 tiles where 65-66 splits hold 4).
-    Among counts the model rates equal, the largest: the model counts the table's width, and a server's table
-    (its max_model_len) is often far wider than its sequences, whose tiles the larger count spreads thinner
-    (a 131072-position table: 64 and 66 splits rate equal; a 32800-position sequence then takes 5 tiles a
-    program at 64, 4 at 66). The cost: at exactly 32768 positions (256 tiles, 4 a program either way) 66
-    splits are slower than 64 (two empty programs a kv head, a second merge chunk). ``most_splits``: the stream
-    kernel takes 256 (one sequence on one or two kv heads: 1 x 131072 at 8 / 1 heads 42.0 -> 32.7 us, at 14 / 2
-    heads of 64 37.9 -> 30.6; H100, bench/results/h100-launch-sweep-packed.json), the fragment kernel 128 (no gain
-    past it there: 29.4 / 29.6 us).
-    Without ``programs_per_sm`` (the word and byte kernels, the interpreter): ~4 programs an SM, each split
-    >= 4 tiles, at most 64."""
-    pairs = max(rows * kv_heads, 1)
-    wanted = triton.cdiv(4 * _sm_count(device), pairs)  # ~4 programs an SM
-    if programs_per_sm is None:
-        return int(max(1, min(wanted, max_len // (4 * block_n), 64)))
-    slots = programs_per_sm * _sm_count(device)
-    tiles = max(1, triton.cdiv(max_len, block_n))
-    # never above that count: max_len is the block table's width (an engine's max_model_len), often far above
-    # the batch's real lengths, and the count must not grow with it
-    most = min(tiles, wanted, most_splits)
-
-    def cost(splits: int) -> int:
-        return triton.cdiv(pairs * splits, slots) * (triton.cdiv(tiles, splits) + 2)
-
-    return min(range(1, most + 1), key=lambda s: (cost(s), -s))
-
-
-def packed_rows(rows: int, num_seqs: int, group: int) -> int:
-    """Query rows of a sequence one stream-kernel program serves from one read of its keys and values
-    (speculative verification, short chunks): the batch's rows a sequence (rows // sequences, from shapes: graph-
-    stable), at most 32 columns (rows x query-head group: the dots' N side); 1 where sequences have one row each,
-    and at groups of 8 and more, where the fragment kernel's one row a program stayed faster. Measured on an H100
-    at 32 x 16384 with 4 rows a sequence (bench/results/h100-launch-sweep-packed.json, 4bit_nc): 32 / 8 heads
-    1153 us (fragments) -> 816 (4 rows packed); 28 / 4 heads 596 -> 571 (4 rows; 2 rows: 788); 8 / 1 heads
-    163 (fragments) against 186-230 packed."""
-    per_seq = rows // max(num_seqs, 1)
-    return max(1, min(per_seq, 32 // group)) if per_seq >= 2 and group < 8 else 1
-
-
-def programs_per_sm(maxnreg: int, num_warps: int) -> int:
-    """Programs an SM holds at once under a register cap (64K registers an SM, allocated per warp in 256s; at
-    most 64 warps and 32 programs an SM; shared memory is not the limit of the stream kernel: 22 KB a program)."""
-    per_warp = triton.cdiv(maxnreg * 32, 256) * 256
-    return max(1, min(65536 // (per_warp * num_warps), 64 // num_warps, 32))
-
-
 def _base_offset(t: torch.Tensor) -> int:
     """Byte offset of the view into its storage. Alignment is judged from it, not from data_ptr(), so that the
     launchers also run on fake tensors (Inductor tracing a ``triton_op``): storages themselves are at least
@@ -1003,15 +930,6 @@ def require_vllm_layout(preset: Preset) -> None:
     if not preset.vllm_layout:
         raise ValueError(f"{preset.name}: not one of vLLM's slot layouts; presets of ours run on triton_general's "
                          "kernels (the triton backend picks them)")
-
-
-def query_in_stream_kernel(preset: Preset, dtype: torch.dtype, interpret: bool) -> bool:
-    """Whether the stream kernel prepares the query itself by default (else a :func:`prepare_query` launch).
-    fp8 keys: the query is only scaled, in the kernel (a launch saved). 4-bit keys: the in-kernel rotation's
-    prologue (a [16, D] x [D, D] dot, 32 KB of signs) cost what the launch saved, so prepare_query rotates
-    (docs/performance-history.md). fp32 queries on the
-    GPU keep prepare_query's fp32 path either way."""
-    return preset.key_fp8 and (interpret or dtype in (torch.float16, torch.bfloat16))
 
 
 def _plain_launch(kernel):
@@ -1094,18 +1012,10 @@ def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: t
         block_n, num_warps = gluon_decode.BLOCK_N, gluon_decode.NUM_WARPS
         prefetch, stage = gluon_decode.loop_settings(preset, prefetch, stage)
         maxnreg = maxnreg or gluon_decode.maxnreg(dim, prefetch)
-    if block_n is None:  # the H200 sweeps' best (bench/results/h200-kernels-notes.md)
-        block_n = 16 if interpret else (32 if kernel == "bytes" else 64)
-        # fp8 keys: 128-position tiles where they still fill the GPU twice (faster from 64x4096 up, slower at
-        # 1x4096, where 64 stays; max_len is the table's width, so this is graph-stable)
-        programs = rows * kv_heads * min(64, max_len // 512)
-        if not interpret and kernel == "stream" and preset.key_fp8 and programs >= 2 * _sm_count(query.device):
-            block_n = 128
-    # stream kernel: no hand prefetch by default (measured: the registers it holds cost more than it hides),
-    # registers capped on the GPU at 128: 4 CTAs per SM without spills at heads up to 128 (faster than 168:
-    # docs/performance-history.md); 168 at head 256, where 128 spills ~0.5 KB a thread (sm_90a compile; not timed)
+    if block_n is None:
+        block_n = stream_block_n(preset, kernel, rows, kv_heads, max_len, query.device)
     if kernel == "stream" and not interpret:
-        maxnreg = maxnreg or (128 if dim <= 128 else 168)
+        maxnreg = maxnreg or stream_maxnreg(dim)
     if splits is None:
         occupancy = programs_per_sm(maxnreg, num_warps or 4) if kernel != "bytes" and maxnreg else None
         splits = num_splits(triton.cdiv(rows, packed), kv_heads, max_len, query.device, block_n, occupancy,

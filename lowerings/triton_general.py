@@ -32,8 +32,9 @@ import triton.language as tl
 
 from tqkv_compile import lloyd_max
 from tqkv_compile.codec import FP8_MAX, Preset
+from tqkv_compile.lowerings.launch_choices import merge_chunk, merge_warps, num_splits
 from tqkv_compile.lowerings.triton_attention import (LOG2E, _load_fp16, _merge_kernel, _softmax_step, _split_span,
-                                                      _tile_base, merge_chunk, merge_warps, num_splits)
+                                                      _tile_base)
 from tqkv_compile.lowerings.triton_dequant import dense_outputs
 from tqkv_compile.lowerings.triton_kv_dot import _logit_tile, _store_logits
 from tqkv_compile.lowerings.triton_kv_write import _fp8e4m3_bits, _store_fp16, _store_packed, _write_rows, few_rows

@@ -223,21 +223,21 @@ def _kv_write_kernel(
 def few_rows(rows: int, device: torch.device) -> bool:
     """Whether ``rows`` (token, kv head) rows make fewer 16-row blocks than the GPU has SMs: a decode step's
     write, whose time is one program's latency; both write launchers then spread a block over more programs."""
-    from tqkv_compile.lowerings.triton_attention import _sm_count
+    from tqkv_compile.lowerings.launch_choices import sm_count
 
-    return triton.cdiv(rows, 16) < _sm_count(device)
+    return triton.cdiv(rows, 16) < sm_count(device)
 
 
 def launch_shape(rows: int, preset: Preset, device: torch.device) -> tuple[int, int, int, int]:
     """(rows per program, rotation columns per dot, key parts, value parts) for ``rows`` (token, kv head) rows;
     0 key parts: one program writes a row block's whole slots."""
-    from tqkv_compile.lowerings.triton_attention import _sm_count
+    from tqkv_compile.lowerings.launch_choices import sm_count
 
     dim = preset.head_dim
     if preset.key_fp8:
         # no dot on fp8 keys, so any row count per program works: few rows (a decode step's 64 tokens x 8 kv
         # heads) get programs of 4 rows, enough to spread over the GPU; many rows keep 16
-        return int(min(16, max(4, triton.next_power_of_2(max(rows // (2 * _sm_count(device)), 1))))), min(dim, 64), 0, 0
+        return int(min(16, max(4, triton.next_power_of_2(max(rows // (2 * sm_count(device)), 1))))), min(dim, 64), 0, 0
     if few_rows(rows, device):
         # a program's latency is the kernel's time (one token: 32 rows a program were slow), so each 16-row
         # block is spread over 32-coordinate key parts and two value parts (the dot needs 16 rows)

@@ -17,7 +17,7 @@ pytest.importorskip("triton.experimental.gluon")
 from test_asm_emulation import asm_text, execute  # noqa: E402
 
 import tqkv_compile  # noqa: E402
-from tqkv_compile.lowerings import gluon_decode, triton_attention  # noqa: E402
+from tqkv_compile.lowerings import gluon_decode, launch_choices, triton_attention  # noqa: E402
 
 
 def _emulate(fn, inputs: dict[str, np.ndarray], shared: np.ndarray | None = None) -> dict[str, np.ndarray]:
@@ -248,7 +248,7 @@ def test_the_launcher_takes_it_only_where_it_can(monkeypatch):
     assert gluon_decode.supports(k3, k3_cache, 4, meta, stage=2) is None
     b3 = tqkv_compile.get_preset("turboquant_3bit_nc", 128)
     assert gluon_decode.supports(b3, torch.zeros(4, 16, 2, b3.slot_bytes, dtype=torch.uint8), 4, meta, stage=1) is None
-    assert gluon_decode.preferred(k3, 64, 32768) and not gluon_decode.preferred(k3, 1, 4096)
+    assert launch_choices.fragments_preferred(k3, 64, 32768) and not launch_choices.fragments_preferred(k3, 1, 4096)
     own = tqkv_compile.get_preset("tqkv_k4o1v225", 128)
     assert "vLLM's layouts" in gluon_decode.supports(own, torch.zeros(4, 16, 2, own.slot_bytes, dtype=torch.uint8),
                                                      4, meta, stage=2)
@@ -279,11 +279,11 @@ def test_the_launcher_takes_it_only_where_it_can(monkeypatch):
 def test_it_is_preferred_where_the_h200_measured_it_faster():
     """The default's rule, against the measurements it came from (gluon_decode.preferred's docstring)."""
     nc, k8 = tqkv_compile.get_preset("turboquant_4bit_nc", 128), tqkv_compile.get_preset("turboquant_k8v4", 128)
-    assert gluon_decode.preferred(nc, 64, 32768) and gluon_decode.preferred(nc, 1, 32768)
-    assert gluon_decode.preferred(nc, 16, 8192) and not gluon_decode.preferred(nc, 1, 4096)
-    assert gluon_decode.preferred(k8, 64, 4096) and gluon_decode.preferred(k8, 16, 8192)
-    assert gluon_decode.preferred(k8, 1, 32768) and not gluon_decode.preferred(k8, 1, 4096)
-    assert not gluon_decode.preferred(k8, 8, 4096)
+    assert launch_choices.fragments_preferred(nc, 64, 32768) and launch_choices.fragments_preferred(nc, 1, 32768)
+    assert launch_choices.fragments_preferred(nc, 16, 8192) and not launch_choices.fragments_preferred(nc, 1, 4096)
+    assert launch_choices.fragments_preferred(k8, 64, 4096) and launch_choices.fragments_preferred(k8, 16, 8192)
+    assert launch_choices.fragments_preferred(k8, 1, 32768) and not launch_choices.fragments_preferred(k8, 1, 4096)
+    assert not launch_choices.fragments_preferred(k8, 8, 4096)
 
 
 def test_prefetch_and_stage_settings_and_the_register_cap(monkeypatch):
@@ -308,12 +308,12 @@ def test_prefetch_and_stage_settings_and_the_register_cap(monkeypatch):
         gluon_decode.default_prefetch()
     assert [gluon_decode.maxnreg(d, 0) for d in (128, 256)] == [128, 168]
     assert [gluon_decode.maxnreg(d, 2) for d in (128, 256)] == [168, 255]
-    assert triton_attention.programs_per_sm(gluon_decode.maxnreg(128, 2), gluon_decode.NUM_WARPS) == 3
+    assert launch_choices.programs_per_sm(gluon_decode.maxnreg(128, 2), gluon_decode.NUM_WARPS) == 3
     # TQKV_FRAGMENT_MAXNREG: one cap for every launch at head 128 (the A/B of 128 at PREFETCH 2), and the
     # occupancy with it; head 256 keeps its caps (128 spills there)
     monkeypatch.setenv(gluon_decode.MAXNREG_ENV, "128")
     assert [gluon_decode.maxnreg(d, f) for d in (128, 256) for f in (0, 2)] == [128, 128, 168, 255]
-    assert triton_attention.programs_per_sm(gluon_decode.maxnreg(128, 2), gluon_decode.NUM_WARPS) == 4
+    assert launch_choices.programs_per_sm(gluon_decode.maxnreg(128, 2), gluon_decode.NUM_WARPS) == 4
     for bad in ("32", "256", "many", ""):
         monkeypatch.setenv(gluon_decode.MAXNREG_ENV, bad)
         with pytest.raises(ValueError, match="64 to 255"):

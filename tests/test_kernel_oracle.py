@@ -148,7 +148,8 @@ def test_stream_kernel_serves_several_rows_a_sequence_from_one_read():
     preset = get_preset("turboquant_4bit_nc", 64)
     cache, table, lens, qsl, query = _paged(preset, [33, 200], [4, 3], kv_heads=1, group=3, seed=6)
     query = torch.cat([query, query[:2]])  # a padded batch: rows after query_start_loc's last entry
-    from tqkv_compile.lowerings.triton_attention import decode_attention, packed_rows
+    from tqkv_compile.lowerings.launch_choices import packed_rows
+    from tqkv_compile.lowerings.triton_attention import decode_attention
 
     assert packed_rows(9, 2, 3) == 4 and packed_rows(7, 2, 3) == 3 and packed_rows(2, 2, 3) == 1
     assert packed_rows(8, 2, 8) == 1 and packed_rows(64, 2, 7) == 4  # (group 8: the fragment kernel; 32 columns)

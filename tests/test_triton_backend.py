@@ -471,7 +471,7 @@ def test_merge_reads_every_chunk_of_splits(dim):
     """100 splits, each holding a part of the context: one merge pass of 128 at head 64, two chunks of 64 at
     head 256. An answer that dropped a chunk, or weighted one with another chunk's maximum, would miss the
     reference."""
-    from tqkv_compile.lowerings.triton_attention import merge_chunk, merge_warps
+    from tqkv_compile.lowerings.launch_choices import merge_chunk, merge_warps
 
     chunks = [merge_chunk(n, dim) for n in (7, 64, 66, 128)]
     assert chunks == ([8, 64, 128, 128] if dim == 64 else [8, 64, 64, 64])
@@ -524,40 +524,40 @@ def test_split_count_follows_the_wave_model(monkeypatch):
     """With the programs an SM holds, the split count keeps small grids to one wave of resident programs and
     never picks a count whose last wave is mostly empty (H200: 132 SMs; 4bit_nc's stream kernel, capped at
     168 registers x 4 warps, holds 3 programs an SM; k8v4's at 128 holds 4)."""
-    from tqkv_compile.lowerings import triton_attention as ta
+    from tqkv_compile.lowerings import launch_choices as lc
 
-    monkeypatch.setattr(ta, "_sm_count", lambda device: 132)
+    monkeypatch.setattr(lc, "sm_count", lambda device: 132)
     cuda = torch.device("cuda")
-    assert ta.programs_per_sm(168, 4) == 3 and ta.programs_per_sm(128, 4) == 4 and ta.programs_per_sm(255, 8) == 1
-    assert ta.programs_per_sm(32, 1) == 32 and ta.programs_per_sm(32, 8) == 8  # 32 programs, 64 warps an SM
+    assert lc.programs_per_sm(168, 4) == 3 and lc.programs_per_sm(128, 4) == 4 and lc.programs_per_sm(255, 8) == 1
+    assert lc.programs_per_sm(32, 1) == 32 and lc.programs_per_sm(32, 8) == 8  # 32 programs, 64 warps an SM
     # one sequence, 8 kv heads, 32768 positions in 64-position tiles: 396 slots hold 8 x 47 programs at once
     # (the old rule's 64 splits made 512 programs: two waves, the second a third full)
-    splits = ta.num_splits(1, 8, 32768, cuda, 64, 3)
+    splits = lc.num_splits(1, 8, 32768, cuda, 64, 3)
     assert 8 * splits <= 396 and splits >= 40
-    assert ta.num_splits(16, 8, 8192, cuda, 128, 4) == 4  # 512 programs on 528 slots, not 640 (measured 1.23x)
+    assert lc.num_splits(16, 8, 8192, cuda, 128, 4) == 4  # 512 programs on 528 slots, not 640 (measured 1.23x)
     # every split 2 tiles, one wave: the largest such count (49, not 32); the table's width rates them equal
-    assert ta.num_splits(1, 8, 4096, cuda, 64, 3) == 49
+    assert lc.num_splits(1, 8, 4096, cuda, 64, 3) == 49
     # k8v4 (4 programs an SM, 128-position tiles at batch 1) in an engine at 1 x 32768 (a table of 32912
     # positions: 258 tiles): 66 splits of 4 tiles, one wave of 528 programs; the old cap of 64 made it 52
     # splits of 5 (the profile of 2026-12-04)
-    assert ta.num_splits(1, 8, 32912, cuda, 128, 4) == 66
+    assert lc.num_splits(1, 8, 32912, cuda, 128, 4) == 66
     # a server's wide table (131072 positions, 1024 tiles): 64 and 66 rate equal; 66 spreads a 32800-position
     # sequence over 4 tiles a program, 64 over 5
-    assert ta.num_splits(1, 8, 131072, cuda, 128, 4) == 66
+    assert lc.num_splits(1, 8, 131072, cuda, 128, 4) == 66
     for rows, length in [(1, 100), (3, 16), (64, 4096), (512, 32768)]:  # never more splits than tiles, nor 128
-        assert 1 <= ta.num_splits(rows, 8, length, cuda, 64, 3) <= min(128, -(-length // 64))
+        assert 1 <= lc.num_splits(rows, 8, length, cuda, 64, 3) <= min(128, -(-length // 64))
     # one kv head (a tensor-parallel rank's share): 128 programs on 132 SMs rather than 64
-    assert ta.num_splits(1, 1, 1 << 20, cuda, 64, 3) == 128
+    assert lc.num_splits(1, 1, 1 << 20, cuda, 64, 3) == 128
     # the stream kernel's cap of 256 (measured faster there at one sequence on one or two kv heads)
-    assert ta.num_splits(1, 1, 1 << 20, cuda, 64, 4, most_splits=256) == 256
-    assert ta.num_splits(1, 2, 131072, cuda, 64, 4, most_splits=256) == 256
+    assert lc.num_splits(1, 1, 1 << 20, cuda, 64, 4, most_splits=256) == 256
+    assert lc.num_splits(1, 2, 131072, cuda, 64, 4, most_splits=256) == 256
     # the table's width (an engine's max_model_len) may be far above the real lengths: the count stays where
     # ~4 programs an SM are launched, however wide the table
     for rows in (1, 4, 16, 64):
-        counts = [ta.num_splits(rows, 8, length, cuda, 64, 3) for length in (32768, 131072, 1 << 20)]
+        counts = [lc.num_splits(rows, 8, length, cuda, 64, 3) for length in (32768, 131072, 1 << 20)]
         assert max(counts) <= -(-4 * 132 // (rows * 8)), counts
     # without an occupancy (word / byte kernels, the interpreter) the earlier rule stands
-    assert ta.num_splits(1, 8, 32768, cuda, 64) == 64
+    assert lc.num_splits(1, 8, 32768, cuda, 64) == 64
 
 
 @pytest.mark.parametrize("dim", HEAD_DIMS)
