@@ -74,12 +74,17 @@ def num_splits(rows: int, kv_heads: int, max_len: int, device: torch.device, blo
 def packed_rows(rows: int, num_seqs: int, group: int) -> int:
     """Query rows of a sequence one stream-kernel program serves from one read of its keys and values
     (speculative verification, short chunks): the batch's rows a sequence (rows // sequences, from shapes: graph-
-    stable), at most 32 columns (rows x query-head group: the dots' N side); 1 where sequences have one row each,
-    and at groups of 8 and more, where the fragment kernel's one row a program stayed faster. Measured on an H100
+    stable), at most 32 columns (rows x query-head group: the dots' N side). Only where the rows are a multiple of
+    the sequences (every sequence the same rows: speculative verification, or one sequence's chunk): in a batch
+    mixing a chunk with one-row decodes, rows // sequences would pack each decode into mostly empty columns. 1
+    where sequences have one row each, and at groups of 8 and more, where the fragment kernel's one row a program
+    stayed faster. Measured on an H100
     at 32 x 16384 with 4 rows a sequence (bench/results/h100-launch-sweep-packed.json, 4bit_nc): 32 / 8 heads
     1153 us (fragments) -> 816 (4 rows packed); 28 / 4 heads 596 -> 571 (4 rows; 2 rows: 788); 8 / 1 heads
     163 (fragments) against 186-230 packed."""
-    per_seq = rows // max(num_seqs, 1)
+    if num_seqs < 1 or rows % num_seqs:
+        return 1
+    per_seq = rows // num_seqs
     return max(1, min(per_seq, 32 // group)) if per_seq >= 2 and group < 8 else 1
 
 

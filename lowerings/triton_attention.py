@@ -258,7 +258,7 @@ def _rows_span(block, kv_head, split, qsl_ptr, seq_lens_ptr, num_seqs, max_len, 
     h = tl.arange(0, BLOCK_H)
     row = first_row + h // GROUP
     q_heads = kv_head * GROUP + h % GROUP
-    head_ok = (h < ROWS * GROUP) & (row < stop)
+    head_ok = (h < ROWS * GROUP) & (row >= start) & (row < stop)  # (rows before qsl[0]: none of sequence 0's)
     limit = tl.load(seq_lens_ptr + seq) - (stop - start) + (row - start) + 1
     limit = tl.where(head_ok, tl.minimum(limit, max_len), 0)
     longest = tl.max(limit, axis=0)

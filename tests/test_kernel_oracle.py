@@ -151,8 +151,9 @@ def test_stream_kernel_serves_several_rows_a_sequence_from_one_read():
     from tqkv_compile.lowerings.launch_choices import packed_rows
     from tqkv_compile.lowerings.triton_attention import decode_attention
 
-    assert packed_rows(9, 2, 3) == 4 and packed_rows(7, 2, 3) == 3 and packed_rows(2, 2, 3) == 1
+    assert packed_rows(8, 2, 3) == 4 and packed_rows(6, 2, 3) == 3 and packed_rows(2, 2, 3) == 1
     assert packed_rows(8, 2, 8) == 1 and packed_rows(64, 2, 7) == 4  # (group 8: the fragment kernel; 32 columns)
+    assert packed_rows(7, 2, 3) == 1 and packed_rows(575, 64, 4) == 1 and packed_rows(4, 0, 4) == 1  # mixed; none
     rotation, centroids, _ = tqkv_compile.get_backend("triton").tables(preset, query.device)
     outs = [decode_attention(query, cache, table, lens, qsl, 0.125, preset, rotation, centroids, kernel="stream",
                              splits=2, rows_per_program=r) for r in (1, 3)]
@@ -161,6 +162,12 @@ def test_stream_kernel_serves_several_rows_a_sequence_from_one_read():
         _within_tolerance(out[:7], exact)
         assert torch.equal(out[7:], torch.zeros_like(out[7:]))
     torch.testing.assert_close(outs[1], outs[0], rtol=0, atol=2e-3)
+    # rows before query_start_loc[0] (refused by the op's value checks; a direct call or a replay): answered 0
+    shifted = decode_attention(torch.cat([query[4:6], query[:4]]), cache, table[:1], lens[:1],
+                               torch.tensor([2, 6], dtype=torch.int32),
+                               0.125, preset, rotation, centroids, kernel="stream", splits=2, rows_per_program=2)
+    assert torch.equal(shifted[:2], torch.zeros_like(shifted[:2]))
+    torch.testing.assert_close(shifted[2:6], outs[0][:4], rtol=0, atol=2e-3)
     with pytest.raises(ValueError, match="one row a program"):
         decode_attention(query, cache, table, lens, qsl, 0.125, preset, rotation, centroids, kernel="bytes",
                          rows_per_program=2)
