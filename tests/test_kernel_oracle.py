@@ -13,6 +13,7 @@ import math
 import pytest
 import torch
 from interpreted import interpreted_kernels
+from paged_batches import paged_batch
 
 import tqkv_compile
 from tqkv_compile import oracle
@@ -33,28 +34,9 @@ def interpreter():
 
 
 def _paged(preset, lens, rows, kv_heads, group, q_scale=1.0, seed=0):
-    """A cache with ``lens`` positions a sequence (N(0, 1) keys and values, written by the reference's kv_write,
-    blocks shuffled) and queries of ``rows`` rows a sequence: (cache, block table, seq_lens, query_start_loc,
-    query bf16)."""
-    g = torch.Generator().manual_seed(seed)
-    dim = preset.head_dim
-    blocks = [math.ceil(length / BLOCK) for length in lens]
-    cache = torch.zeros(sum(blocks) + 2, BLOCK, kv_heads, preset.slot_bytes, dtype=torch.uint8)
-    order = torch.randperm(cache.shape[0], generator=g)
-    table = torch.full((len(lens), max(blocks) + 1), 10_000, dtype=torch.int32)  # junk past the blocks
-    used = 0
-    reference = tqkv_compile.get_backend("reference")
-    for b, length in enumerate(lens):
-        table[b, : blocks[b]] = order[used : used + blocks[b]].to(torch.int32)
-        used += blocks[b]
-        pos = torch.arange(length)
-        slots = table[b, pos // BLOCK].long() * BLOCK + pos % BLOCK
-        k = torch.randn(length, kv_heads, dim, generator=g).to(torch.bfloat16)
-        v = torch.randn(length, kv_heads, dim, generator=g).to(torch.bfloat16)
-        reference.kv_write(k, v, cache, slots, preset)
-    qsl = torch.tensor([0, *torch.tensor(rows).cumsum(0).tolist()], dtype=torch.int32)
-    query = (torch.randn(int(qsl[-1]), kv_heads * group, dim, generator=g) * q_scale).to(torch.bfloat16)
-    return cache, table, torch.tensor(lens, dtype=torch.int32), qsl, query
+    """:func:`paged_batch` with bf16 keys, values and queries, blocks of 16 (junk block ids past the blocks)."""
+    return paged_batch(preset, lens, rows, kv_heads, group, q_scale, dtype=torch.bfloat16, block=BLOCK, seed=seed,
+                       kv_dtype=torch.bfloat16)
 
 
 def _within_tolerance(out, exact):
