@@ -128,7 +128,7 @@ def attention(query, kv_cache, block_table, seq_lens, query_start_loc, scale, pr
     into = out if out is not None and (out.shape[-1] <= 1 or out.stride(-1) == 1) else torch.empty_like(q)
     torch.ops.tqkv_cpu.decode_attention(
         q, kv_cache, block_table.to(torch.int32).contiguous(), seq_lens.to(torch.int64).contiguous(),
-        query_start_loc.to(torch.int64).contiguous(), _table(preset), into, float(scale),
+        query_start_loc.to(torch.int64).contiguous(), _key_tables(preset)[0], into, float(scale),
         8 if preset.key_fp8 else preset.key_bits, preset.value_bits, preset.norm_correction, preset.key_code_bytes,
         preset.key_bytes, preset.value_code_bytes, vectorized)
     if out is not None and into is not out:
@@ -137,15 +137,17 @@ def attention(query, kv_cache, block_table, seq_lens, query_start_loc, scale, pr
     return into
 
 
-_tables: dict[tuple[str, int], torch.Tensor] = {}
+_key_tables_made: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]] = {}
 
 
-def _table(preset: Preset) -> torch.Tensor:
-    """fp32 [16] (or fewer) centroids of the preset's keys, empty for fp8 keys; made once a preset."""
+def _key_tables(preset: Preset) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 ([16], [15]) (or fewer) centroids of the preset's keys and their midpoints, both empty for fp8 keys;
+    made once a preset (keyed by name and head size: hashing the frozen Preset itself costs ~5 us a call)."""
     k = (preset.name, preset.head_dim)
-    if k not in _tables:
-        _tables[k] = torch.zeros(0) if preset.key_fp8 else preset.centroids().float().contiguous()
-    return _tables[k]
+    if k not in _key_tables_made:
+        _key_tables_made[k] = ((torch.zeros(0), torch.zeros(0)) if preset.key_fp8 else
+                               (preset.centroids().float().contiguous(), preset.midpoints().float().contiguous()))
+    return _key_tables_made[k]
 
 
 #: kv_write calls with at most this many (token, kv head) vectors take the kernel's encode (decode steps, short
@@ -169,18 +171,8 @@ def kv_write(key, value, kv_cache, slot_mapping, preset: Preset) -> None:
         raise RuntimeError("the CPU decode kernel is not available (see the [tqkv] line above)")
     key = key if key.stride(-1) == 1 else key.contiguous()
     value = value.to(key.dtype) if value.stride(-1) == 1 else value.to(key.dtype).contiguous()
+    centroids, midpoints = _key_tables(preset)
     torch.ops.tqkv_cpu.kv_write(
-        key, value, kv_cache, slot_mapping.to(torch.int64).contiguous(), _midpoints(preset), _table(preset),
+        key, value, kv_cache, slot_mapping.to(torch.int64).contiguous(), midpoints, centroids,
         8 if preset.key_fp8 else preset.key_bits, preset.value_bits, preset.norm_at_write, preset.key_code_bytes,
         preset.key_bytes, preset.value_code_bytes, preset.slot_bytes)
-
-
-_midpoint_tables: dict[tuple[str, int], torch.Tensor] = {}
-
-
-def _midpoints(preset: Preset) -> torch.Tensor:
-    """fp32 [15] (or fewer) midpoints of the preset's key centroids, empty for fp8 keys; made once a preset."""
-    k = (preset.name, preset.head_dim)
-    if k not in _midpoint_tables:
-        _midpoint_tables[k] = torch.zeros(0) if preset.key_fp8 else preset.midpoints().float().contiguous()
-    return _midpoint_tables[k]
