@@ -4,8 +4,10 @@
 # halves to /root/tqkv-smol). Logs and results go to $OUT; GPU=h100|h200 names the result files (default: from
 # the device name). Every step has its own time limit and the next step runs whatever happened.
 #   bash bench/hopper_session.sh check           every kernel vs exact attention (tqkv bench kernels --check
-#                                                --oracle-only; CHECK_TIMEOUT): $OUT/$GPU-kernels-check.json
+#                                                --oracle-only; CHECK_PRESETS, CHECK_TIMEOUT): $OUT/$GPU-kernels-check.json
 #   bash bench/hopper_session.sh full            the Llama-3-8B table: bench kernels, every case, baselines, plot
+#   bash bench/hopper_session.sh sweep           launch choices timed over shape-matrix cells (bench/launch_sweep.py;
+#                                                SWEEP_ARGS, SWEEP_NAME, SWEEP_TIMEOUT): $OUT/$GPU-launch-sweep.json
 #   bash bench/hopper_session.sh shapes          the model-shape matrix (tqkv bench kernels --shapes; SHAPES,
 #                                                SHAPE_CASES, SHAPE_PRESETS, SHAPES_TIMEOUT) with its heat map
 #   bash bench/hopper_session.sh kernels         presets of ours timed beside vLLM's presets (OWN_PRESETS,
@@ -120,8 +122,15 @@ kernels)
 check)
     step "every kernel vs exact attention over the codec's decode (the oracle's matrix)"
     timeout ${CHECK_TIMEOUT:-540} python3 -m tqkv_compile.bench_kernels --check --oracle-only --workers 15 \
-        --out "$OUT/$GPU-kernels-check.json" > "$OUT/check.log" 2>&1
+        ${CHECK_PRESETS:+--presets "$CHECK_PRESETS"} --out "$OUT/$GPU-kernels-check.json" > "$OUT/check.log" 2>&1
     grep -E "^\[check|FAIL|oracle check" "$OUT/check.log" | tail -40
+    ;;
+sweep)
+    # launch choices over cells of the shape matrix (bench/launch_sweep.py; SWEEP_ARGS, SWEEP_TIMEOUT)
+    step "launch sweep: ${SWEEP_ARGS:=--cells all --kernels ''}"
+    eval timeout ${SWEEP_TIMEOUT:-540} python3 bench/launch_sweep.py $SWEEP_ARGS \
+        --out "$OUT/$GPU-launch-sweep${SWEEP_NAME:+-$SWEEP_NAME}.json" > "$OUT/sweep${SWEEP_NAME:+-$SWEEP_NAME}.log" 2>&1
+    grep -c '"us"' "$OUT/sweep${SWEEP_NAME:+-$SWEEP_NAME}.log"; grep -E "error|Error" "$OUT/sweep${SWEEP_NAME:+-$SWEEP_NAME}.log" | head -5
     ;;
 shapes)
     step "decode over model shapes x cases: ${SHAPES:=llama3-8b,qwen2.5-7b,llama3-70b-tp8,qwen2.5-0.5b,head256,llama3-8b-tp2}"
@@ -163,5 +172,5 @@ fa2)
         echo "JIT cache: $parts part(s) in \$OUT; carry them back as .gpu/nvcache/" >&2
     fi
     ;;
-*) echo "usage: bash bench/hopper_session.sh install|check|full|shapes|kernels|agreement|e2e CONFIGS [CASES] [TIMEOUT]|fa2" >&2; exit 2 ;;
+*) echo "usage: bash bench/hopper_session.sh install|check|sweep|full|shapes|kernels|agreement|e2e CONFIGS [CASES] [TIMEOUT]|fa2" >&2; exit 2 ;;
 esac

@@ -1,11 +1,14 @@
 """Launch choices swept over cells of the shape matrix: the data the launcher's heuristics are fitted to.
 
-For each (shape, case) of :mod:`tqkv_compile.bench_shapes` and each preset: the default launch, then the stream
-and fragment kernels at each split count of ``--splits`` (counts that give more than ``--max-programs`` programs
-an SM, or fewer tiles than splits, are skipped). Timed as ``tqkv bench kernels --shapes`` times (CUDA-graph
-replay, cold L2). One JSON line a launch, and the list in ``--out`` (rewritten after every cell):
-``{"shape", "case", "preset", "kernel", "splits", "rows_per_program", "us"}`` (kernel ``default`` with splits
-null: the launcher's own choice).
+For each (shape, case) of :mod:`tqkv_compile.bench_shapes` (``--cells all``: every one) and each preset: the
+default launch, the same launch with every row cut into the shapes' split count (kernel ``fixed``:
+``length_aware=False``, the launcher before length-aware splits), then the stream and fragment kernels at each
+split count of ``--splits`` (counts that give more than ``--max-programs`` programs an SM, or fewer tiles than
+splits, are skipped; ``--kernels ""``: none). Timed as ``tqkv bench kernels --shapes`` times (CUDA-graph replay,
+cold L2). One JSON line a launch, and the list in ``--out`` (rewritten after every cell): ``{"shape", "case",
+"preset", "kernel", "splits", "rows_per_program", "us"}`` (kernels ``default`` and ``fixed`` with splits null:
+the launcher's own choice). ``--variants '{"NAME": {decode_attention keywords}}'``: more named launches
+(kernel NAME), e.g. a register cap.
 
     python bench/launch_sweep.py --cells llama3-70b-tp8:1x131072,llama3-8b:32x16384x4rows --out sweep.json
 """
@@ -30,19 +33,22 @@ def main(argv: list[str]) -> int:
     from tqkv_compile.run_meta import run_meta
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--cells", required=True, help="comma-separated shape:case pairs")
+    parser.add_argument("--cells", required=True, help="comma-separated shape:case pairs, or all")
     parser.add_argument("--presets", default="turboquant_4bit_nc")
     parser.add_argument("--splits", default="1,2,4,8,16,32,48,64,96,128")
     parser.add_argument("--kernels", default="stream,fragments")
     parser.add_argument("--rows", default="1", help="the stream kernel's rows_per_program values (%(default)s)")
     parser.add_argument("--max-programs", type=int, default=16, help="programs an SM at most (%(default)s)")
     parser.add_argument("--out")
+    parser.add_argument("--variants", default="{}", help="JSON: launch name -> decode_attention keywords")
     args = parser.parse_args(argv)
+    variants = json.loads(args.variants)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
     records: list[dict] = [run_meta("python bench/launch_sweep.py " + " ".join(argv))]
     backend = tqkv_compile.get_backend("triton")
-    cells = [c.split(":") for c in args.cells.split(",") if c]
+    cells = ([[shape, case] for shape in SHAPES for case in CASES] if args.cells == "all" else
+             [c.split(":") for c in args.cells.split(",") if c])
     for n, (shape, case_name) in enumerate(cells, 1):
         hq, hk, dim = SHAPES[shape]
         case = CASES[case_name]
@@ -58,8 +64,8 @@ def main(argv: list[str]) -> int:
             q = torch.randn(rows, hq, dim, dtype=torch.bfloat16, device="cuda")
             rotation, centroids, _ = backend.tables(p, q.device)
             tiles = math.ceil(max(case.lens) / 64)
-            launches = [("default", None, None)]
-            for kernel in args.kernels.split(","):
+            launches = [("default", None, None), ("fixed", None, None)] + [(v, None, None) for v in variants]
+            for kernel in filter(None, args.kernels.split(",")):
                 if kernel == "fragments" and gluon_decode.supports(p, cache, hq // hk, q.device) is not None:
                     continue
                 for packed in map(int, args.rows.split(",")) if kernel == "stream" else [1]:
@@ -68,7 +74,8 @@ def main(argv: list[str]) -> int:
                     launches += [(kernel, s, packed) for s in map(int, args.splits.split(","))
                                  if s <= tiles and math.ceil(rows / packed) * hk * s <= args.max_programs * sms]
             for kernel, splits, packed in launches:
-                kw = {} if kernel == "default" else dict(kernel=kernel, splits=splits, rows_per_program=packed)
+                kw = {"default": {}, "fixed": dict(length_aware=False), **variants}.get(
+                    kernel, dict(kernel=kernel, splits=splits, rows_per_program=packed))
                 rec = dict(shape=shape, case=case_name, preset=name, kernel=kernel, splits=splits,
                            rows_per_program=packed)
                 try:

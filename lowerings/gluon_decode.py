@@ -340,9 +340,10 @@ def layouts(dim: int) -> dict:
     field_regs = gl.DistributedLinearLayout(
         reg_bases=[[0, 1], [0, 2], [8, 0]], lane_bases=[[0, 0], [0, 0], [1, 0], [2, 0], [4, 0]],
         warp_bases=[[16, 0], [32, 0]], block_bases=[], shape=[BLOCK_N, 4])
-    # the key pair table's fill (_fill_key_table): consecutive words across a warp's lanes
+    # the key pair table's fill (_fill_key_table): consecutive words across a warp's lanes; the same for the
+    # length-aware split plan's vectors (_row_splits: 128 sequences, 128 split counts)
     table_fill = gl.BlockedLayout([1], [32], [NUM_WARPS], [0])
-    return dict(TABLE_FILL=table_fill, ROW_WORDS=row_words, ROW_SLOTS=row_slots, ROW3_WORDS=row3_words,
+    return dict(TABLE_FILL=table_fill, PLAN=table_fill, ROW_WORDS=row_words, ROW_SLOTS=row_slots, ROW3_WORDS=row3_words,
                 ROW3_SLOTS=row3_slots, FIELD_ROWS=field_rows, FIELD_REGS=field_regs, MMA=mma,
                 A_OP=gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2),
                 B_OP=gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2),
@@ -728,8 +729,35 @@ if gluon is not None:
                 gl.convert_layout(vzero, ROWS, assert_trivial=True).to(gl.float32))
 
     @gluon.jit
+    def _row_splits(tiles, qsl_ptr, seq_lens_ptr, num_seqs, max_len, plan_slots, plan_wanted,
+                    BLOCK: gl.constexpr, NUM_SPLITS: gl.constexpr, PLAN: gl.constexpr):
+        """:func:`triton_attention._row_splits` for one query row a program (row blocks are rows), in Gluon: the
+        split count of a row whose context is ``tiles`` tiles, from the batch's lengths (NUM_SPLITS <= 128)."""
+        total = num_seqs * 0
+        blocks = num_seqs * 0
+        for first in range(0, num_seqs, 128):
+            s = first + gl.arange(0, 128, layout=PLAN)
+            ok = s < num_seqs
+            n = gl.load(qsl_ptr + s + 1, mask=ok, other=0) - gl.load(qsl_ptr + s, mask=ok, other=0)
+            length = gl.minimum(gl.load(seq_lens_ptr + s, mask=ok, other=0), max_len)
+            total += gl.sum(n * ((length + BLOCK - 1) // BLOCK), axis=0)
+            blocks += gl.sum(n, axis=0)
+        blocks = gl.maximum(blocks, 1)
+        mean = gl.maximum((total + blocks - 1) // blocks, 1)
+        pairs = blocks * gl.num_programs(1)
+        c = gl.arange(0, 128, layout=PLAN) + 1
+        most = gl.minimum(gl.minimum(mean, (plan_wanted + pairs - 1) // pairs), NUM_SPLITS)
+        cost = ((pairs * c + plan_slots - 1) // plan_slots) * ((mean + c - 1) // c + 2)
+        cost = gl.where(c <= gl.maximum(most, 1), cost, 2147483647)
+        best = gl.min(cost, axis=0)
+        at_mean = gl.max(gl.where(cost == best, c, 0), axis=0)
+        count = (2 * at_mean * tiles + mean) // (2 * mean)
+        return gl.maximum(gl.minimum(gl.minimum(count, NUM_SPLITS), tiles), 1)
+
+    @gluon.jit
     def fragment_kernel(q_ptr, cache_ptr, block_table_ptr, seq_lens_ptr, qsl_ptr, lut_ptr, key_order_ptr,
-                        value_order_ptr, part_out_ptr, part_lse_ptr, num_seqs, max_len, s_qt, s_qh, s_bt, s_bm, h_blk, h_pos, h_head,
+                        value_order_ptr, part_out_ptr, part_lse_ptr, num_seqs, max_len, plan_slots, plan_wanted,
+                        s_qt, s_qh, s_bt, s_bm, h_blk, h_pos, h_head,
                         GROUP: gl.constexpr, D: gl.constexpr, BLOCK_SIZE: gl.constexpr,
                         NUM_SPLITS: gl.constexpr, SEARCH_STEPS: gl.constexpr, KEY_FP8: gl.constexpr,
                         NORM_CORRECTION: gl.constexpr, PREFETCH: gl.constexpr,
@@ -739,7 +767,8 @@ if gluon is not None:
                         ROW_WORDS: gl.constexpr, ROW_SLOTS: gl.constexpr, FIELD_ROWS: gl.constexpr,
                         FIELD_REGS: gl.constexpr, H_POS: gl.constexpr, KEY_BITS: gl.constexpr,
                         VALUE_BITS: gl.constexpr, ROW3_WORDS: gl.constexpr, ROW3_SLOTS: gl.constexpr,
-                        STAGE: gl.constexpr, KEY_TABLE: gl.constexpr, TABLE_FILL: gl.constexpr):
+                        STAGE: gl.constexpr, KEY_TABLE: gl.constexpr, TABLE_FILL: gl.constexpr, PLAN: gl.constexpr,
+                        LENGTH_AWARE: gl.constexpr = False):
         BLOCK: gl.constexpr = 64
         KT: gl.constexpr = D // 16
         VJ: gl.constexpr = D // 128
@@ -773,7 +802,13 @@ if gluon is not None:
         length = gl.load(seq_lens_ptr + seq) - (stop_q - start_q) + (row - start_q) + 1
         length = gl.where((start_q <= row) & (row < stop_q), length, 0)
         length = gl.minimum(length, max_len)
-        per_split = gl.cdiv(gl.cdiv(length, NUM_SPLITS), BLOCK) * BLOCK
+        count = length * 0 + NUM_SPLITS
+        if LENGTH_AWARE:  # (only where this split can have positions: split < the row's tiles)
+            tiles = (length + BLOCK - 1) // BLOCK
+            if split < tiles:
+                count = _row_splits(tiles, qsl_ptr, seq_lens_ptr, num_seqs, max_len, plan_slots, plan_wanted, BLOCK,
+                                    NUM_SPLITS, PLAN)
+        per_split = gl.cdiv(gl.cdiv(length, count), BLOCK) * BLOCK
         begin = split * per_split
         end = gl.minimum(begin + per_split, length)
         h = gl.arange(0, 8, layout=COLS)
@@ -940,14 +975,16 @@ def loop_settings(preset: Preset, prefetch: int | None = None, stage: int | None
 def launch(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
            query_start_loc: torch.Tensor, part_out: torch.Tensor, part_lse: torch.Tensor, preset: Preset,
            group: int, splits: int, search_steps: int, prefetch: int | None = None, stage: int | None = None,
-           regs: int | None = None, key_table: int | None = None) -> None:
+           regs: int | None = None, key_table: int | None = None, plan: tuple[int, int] | None = None) -> None:
     """Fill ``part_out`` / ``part_lse`` (the stream kernel's partials) from ``q`` (prepare_query's query, fp32
     [T, Hq, D], its last stride 1). ``prefetch``: the kernel's PREFETCH (0 none, 1 block ids a tile ahead, 2 also
     the words; default :func:`default_prefetch`); ``stage``: the kernel's STAGE (0: each thread loads its
     fragments' words, 1 / 2: a warp loads a position's words together, then they move through shared memory as
     16- / 32-bit words; default :func:`default_stage`); ``regs``: the register cap (default :func:`maxnreg`); ``key_table``: 4-bit
     keys looked up by byte permutes (0) or from a table of pairs in shared memory with that many copies (8 or
-    32; default :func:`default_key_table`)."""
+    32; default :func:`default_key_table`); ``plan``: (resident programs, the ~4-an-SM cap) for length-aware
+    splits (each row's count from the batch's lengths, at most ``splits``: ``launch_choices.row_splits``); None:
+    every row into ``splits``."""
     prefetch, stage = loop_settings(preset, prefetch, stage)
     copies = default_key_table(preset, q.device) if key_table is None else int(key_table)
     if copies not in KEY_TABLE_COPIES:  # (8: bank conflicts, slower than 0; for the A/B)
@@ -960,14 +997,14 @@ def launch(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, s
     args = (q, kv_cache, block_table, seq_lens, query_start_loc,
             key_pairs(preset, q.device) if copies else key_lut(preset, q.device),
             *orders(preset.head_dim, q.device), part_out, part_lse,
-            seq_lens.shape[0], max_len, q.stride(0), q.stride(1), *block_table.stride(),
+            seq_lens.shape[0], max_len, *(plan or (0, 0)), q.stride(0), q.stride(1), *block_table.stride(),
             *(st // 2 for st in kv_cache.stride()[:3]))
     constexprs = dict(
         GROUP=group, D=preset.head_dim, BLOCK_SIZE=kv_cache.shape[1], NUM_SPLITS=splits, SEARCH_STEPS=search_steps,
         KEY_FP8=preset.key_fp8, NORM_CORRECTION=preset.norm_correction, KEY_CODE_BYTES=preset.key_code_bytes,
         VALUE_OFFSET=preset.key_bytes, VALUE_CODE_BYTES=preset.value_code_bytes, PREFETCH=prefetch, STAGE=stage,
         H_POS=kv_cache.stride(1) // 2 if stage else 0, KEY_BITS=0 if preset.key_fp8 else preset.key_bits,
-        VALUE_BITS=preset.value_bits, KEY_TABLE=copies, **layouts(preset.head_dim),
+        VALUE_BITS=preset.value_bits, KEY_TABLE=copies, LENGTH_AWARE=plan is not None, **layouts(preset.head_dim),
         num_warps=NUM_WARPS, maxnreg=regs or maxnreg(preset.head_dim, prefetch))
     if copies:
         # the key table's shared memory beyond Triton's allocation: the compiled kernel Triton's binder picks for

@@ -71,6 +71,55 @@ def num_splits(rows: int, kv_heads: int, max_len: int, device: torch.device, blo
     return min(range(1, most + 1), key=lambda s: (cost(s), -s))
 
 
+RAGGED_SPLITS = 8
+
+
+def split_grid(splits: int, num_seqs: int, max_len: int, block_n: int, most_splits: int) -> int:
+    """The grid's splits a (row block, kv head) where the kernel cuts each row by its length (length-aware
+    splits, :func:`row_splits`): ``splits`` (:func:`num_splits`, the count for a batch as long as the table), and
+    at least RAGGED_SPLITS where a batch has several sequences, so that its long sequences can take more splits
+    than a batch of their length would (a ragged batch: its short sequences take fewer, and programs past a
+    row's count exit at once). Capped by the table's tiles and ``most_splits``. From shapes only (graph-stable).
+    Grids of 8 against the counts of :func:`num_splits` at 64 sequences of 1k..64k (28 / 4 heads): 415 us at 8
+    splits, 545.8 at the 3 the table's width gave (H100, bench/results/h100-launch-sweep.json)."""
+    if num_seqs < 2:
+        return splits
+    return max(splits, min(RAGGED_SPLITS, most_splits, triton.cdiv(max_len, block_n)))
+
+
+def row_splits(lengths: list[int], rows: list[int], row_block_len: int, kv_heads: int, slots: int, wanted: int,
+               block_n: int, grid_splits: int, rows_per_program: int = 1) -> int:
+    """The split count the kernels give a row block of context ``row_block_len`` (length-aware splits), as
+    ``triton_attention._row_splits`` computes it in each program from the batch's ``lengths`` and ``rows``
+    (query rows a sequence): the batch's mean tiles a row block, the count :func:`num_splits`'s wave model rates
+    best for a uniform batch of that mean (``slots`` resident programs, ``wanted`` the ~4-an-SM cap, counts up to
+    ``grid_splits``), scaled by this block's tiles / the mean, rounded, in [1, min(grid_splits, its tiles)].
+
+    Why: the split count from shapes alone must assume every row is as long as the block table (an engine's
+    max_model_len), and cuts every row into the same number of splits: a ragged batch's longest rows then take
+    the longest programs, which the rest of the GPU waits for; rows far shorter than the table get too few
+    programs. Taken from the lengths in the kernel (as FA3's scheduler does from seqused_k in a prepare kernel),
+    a uniform batch gets :func:`num_splits`'s count for its real length, and in a ragged one each program gets
+    about the mean's share of positions. Still graph-stable: the grid (``grid_splits``, :func:`split_grid`)
+    comes from shapes; only which of its programs have positions depends on the lengths."""
+    ceil = triton.cdiv
+    blocks = sum(ceil(r, rows_per_program) for r in rows)
+    total = sum(ceil(r, rows_per_program) * ceil(n, block_n) for r, n in zip(rows, lengths))
+    blocks = max(blocks, 1)
+    mean = max(ceil(total, blocks), 1)
+    pairs = blocks * kv_heads
+    most = max(min(mean, ceil(wanted, pairs), grid_splits), 1)
+    at_mean = min(range(1, most + 1), key=lambda c: (ceil(pairs * c, slots) * (ceil(mean, c) + 2), -c))
+    tiles = ceil(row_block_len, block_n)
+    return max(min((2 * at_mean * tiles + mean) // (2 * mean), grid_splits, tiles), 1)
+
+
+def plan_capacity(device: torch.device, programs_per_sm: int | None) -> tuple[int, int]:
+    """(resident programs, the ~4-an-SM cap) the length-aware split rule weighs waves with: the
+    :func:`num_splits` model's ``slots`` and ``wanted`` numerators."""
+    return (programs_per_sm or 4) * sm_count(device), 4 * sm_count(device)
+
+
 def packed_rows(rows: int, num_seqs: int, group: int) -> int:
     """Query rows of a sequence one stream-kernel program serves from one read of its keys and values
     (speculative verification, short chunks): the batch's rows a sequence (rows // sequences, from shapes: graph-
@@ -115,11 +164,17 @@ def stream_block_n(preset: Preset, kernel: str, rows: int, kv_heads: int, max_le
     return 128 if preset.key_fp8 and programs >= 2 * sm_count(device) else 64
 
 
-def stream_maxnreg(dim: int) -> int:
-    """The stream kernel's register cap: 128 up to head 128 (4 programs an SM without spills; faster than 168:
-    docs/performance-history.md), 168 at head 256, where 128 spills ~0.5 KB a thread (sm_90a compile; not timed).
-    Without a hand prefetch (the default: the registers it holds cost more than it hides)."""
-    return 128 if dim <= 128 else 168
+def stream_maxnreg(dim: int, columns: int = 8) -> int:
+    """The stream kernel's register cap for ``columns`` (its BLOCK_H: query heads x rows a program, padded): 128 up
+    to head 128 at 8 columns (4 programs an SM without spills; faster than 168: docs/performance-history.md), 168
+    at head 256, where 128 spills ~0.5 KB a thread (sm_90a compile; not timed). Rows packed into 16 and 32
+    columns hold a [D, columns] accumulator: at head 128, triton 3.6's sm_90a code spills 432 bytes a thread at
+    16 columns under 128 registers (8 under 192, 40 under 168) and 520 at 32 columns under 168 (20 under 255),
+    so 16 columns take 192 and 32 take 255 (3 and 2 programs an SM; head 256: 255). Without a hand prefetch
+    (the default: the registers it holds cost more than it hides)."""
+    if columns <= 8:
+        return 128 if dim <= 128 else 168
+    return 192 if columns <= 16 and dim <= 128 else 255
 
 
 def query_in_stream_kernel(preset: Preset, dtype: torch.dtype, interpret: bool) -> bool:

@@ -40,8 +40,8 @@ from tqkv_compile.lowerings import dependent_launch, gluon_decode
 from tqkv_compile.lowerings.cache_tables import halves_span, key_lut
 from tqkv_compile.lowerings.dependent_launch import wait_and_release
 from tqkv_compile.lowerings.launch_choices import (merge_chunk, merge_warps, num_splits, packed_rows,
-                                                   programs_per_sm, query_in_stream_kernel, stream_block_n,
-                                                   stream_maxnreg)
+                                                   plan_capacity, programs_per_sm, query_in_stream_kernel,
+                                                   split_grid, stream_block_n, stream_maxnreg)
 from tqkv_compile.lowerings.triton_query import prepare_query
 from tqkv_compile.rotation import hadamard
 
@@ -214,16 +214,68 @@ def _row_context(row, qsl_ptr, seq_lens_ptr, num_seqs, SEARCH_STEPS: tl.constexp
 
 
 @triton.jit
+def _row_splits(tiles, qsl_ptr, seq_lens_ptr, num_seqs, max_len, plan_slots, plan_wanted, BLOCK_N: tl.constexpr,
+                NUM_SPLITS: tl.constexpr, ROWS: tl.constexpr, CHUNK: tl.constexpr = 128):
+    """Splits for a row block whose context is ``tiles`` tiles, from the batch's real lengths (length-aware
+    splits: :func:`~tqkv_compile.lowerings.launch_choices.row_splits` is this rule on the host, with the why).
+    Every program computes the same plan: the batch's mean tiles a row block (the sequences' lengths clamped to
+    ``max_len``, ceil(rows / ROWS) row blocks a sequence, read CHUNK sequences at a time), the split count the
+    wave model rates best for a batch of that mean (``launch_choices.num_splits``'s model: ``plan_slots``
+    programs resident, ``plan_wanted`` the ~4-an-SM cap, candidates up to NUM_SPLITS), then this block's share:
+    that count scaled by tiles / mean, rounded, in [1, min(NUM_SPLITS, tiles)]. int32 scalar."""
+    total = num_seqs * 0
+    blocks = num_seqs * 0
+    for first in range(0, num_seqs, CHUNK):
+        s = first + tl.arange(0, CHUNK)
+        ok = s < num_seqs
+        n = tl.load(qsl_ptr + s + 1, mask=ok, other=0) - tl.load(qsl_ptr + s, mask=ok, other=0)
+        row_blocks = (n + ROWS - 1) // ROWS
+        length = tl.minimum(tl.load(seq_lens_ptr + s, mask=ok, other=0), max_len)
+        total += tl.sum(row_blocks * ((length + BLOCK_N - 1) // BLOCK_N), axis=0)
+        blocks += tl.sum(row_blocks, axis=0)
+    blocks = tl.maximum(blocks, 1)
+    mean = tl.maximum((total + blocks - 1) // blocks, 1)
+    pairs = blocks * tl.num_programs(1)
+    SPLITS_P2: tl.constexpr = triton.next_power_of_2(NUM_SPLITS)
+    c = tl.arange(0, SPLITS_P2) + 1
+    most = tl.minimum(tl.minimum(mean, (plan_wanted + pairs - 1) // pairs), NUM_SPLITS)
+    cost = ((pairs * c + plan_slots - 1) // plan_slots) * ((mean + c - 1) // c + 2)
+    cost = tl.where(c <= tl.maximum(most, 1), cost, 2147483647)
+    best = tl.min(cost, axis=0)
+    at_mean = tl.max(tl.where(cost == best, c, 0), axis=0)
+    count = (2 * at_mean * tiles + mean) // (2 * mean)
+    return tl.maximum(tl.minimum(tl.minimum(count, NUM_SPLITS), tiles), 1)
+
+
+@triton.jit
+def _split_count(split, length, qsl_ptr, seq_lens_ptr, num_seqs, max_len, plan_slots, plan_wanted,
+                 BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, ROWS: tl.constexpr, LENGTH_AWARE: tl.constexpr):
+    """The split count a row block of context ``length`` is cut into: NUM_SPLITS, or with LENGTH_AWARE
+    :func:`_row_splits`'s (only computed where this program's split can have positions: split < its tiles)."""
+    count = length * 0 + NUM_SPLITS
+    if LENGTH_AWARE:
+        tiles = (length + BLOCK_N - 1) // BLOCK_N
+        if split < tiles:
+            count = _row_splits(tiles, qsl_ptr, seq_lens_ptr, num_seqs, max_len, plan_slots, plan_wanted, BLOCK_N,
+                                NUM_SPLITS, ROWS)
+    return count
+
+
+@triton.jit
 def _split_span(row, kv_head, split, qsl_ptr, seq_lens_ptr, num_seqs, max_len, GROUP: tl.constexpr,
-                BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, SEARCH_STEPS: tl.constexpr):
+                BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, SEARCH_STEPS: tl.constexpr,
+                plan_slots=0, plan_wanted=0, LENGTH_AWARE: tl.constexpr = False):
     """One split program's work: (seq, begin, end, q_heads [BLOCK_H], part [BLOCK_H], head_ok [BLOCK_H]) —
     its sequence, the positions [begin, end) of its split (whole tiles), its query heads and their rows in
     the partial outputs. Callers store -inf partials and return when begin >= end. The context is clamped to
     ``max_len`` (the block table's width in positions): a sequence length the host did not check (CUDA-graph
-    replay, TQKV_CHECK_VALUES=0) cannot make the tile loop run past the table, or for ever."""
+    replay, TQKV_CHECK_VALUES=0) cannot make the tile loop run past the table, or for ever. A row's context is
+    cut into NUM_SPLITS splits, or with LENGTH_AWARE into :func:`_split_count`'s (the grid's NUM_SPLITS the most)."""
     seq, length = _row_context(row, qsl_ptr, seq_lens_ptr, num_seqs, SEARCH_STEPS)
     length = tl.minimum(length, max_len)
-    per_split = tl.cdiv(tl.cdiv(length, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    count = _split_count(split, length, qsl_ptr, seq_lens_ptr, num_seqs, max_len, plan_slots, plan_wanted, BLOCK_N,
+                         NUM_SPLITS, 1, LENGTH_AWARE)
+    per_split = tl.cdiv(tl.cdiv(length, count), BLOCK_N) * BLOCK_N
     begin = split * per_split
     end = tl.minimum(begin + per_split, length)
     h = tl.arange(0, BLOCK_H)
@@ -235,7 +287,8 @@ def _split_span(row, kv_head, split, qsl_ptr, seq_lens_ptr, num_seqs, max_len, G
 @triton.jit
 def _rows_span(block, kv_head, split, qsl_ptr, seq_lens_ptr, num_seqs, max_len, s_qt, s_qh, GROUP: tl.constexpr,
                BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-               SEARCH_STEPS: tl.constexpr, ROWS: tl.constexpr):
+               SEARCH_STEPS: tl.constexpr, ROWS: tl.constexpr, plan_slots=0, plan_wanted=0,
+               LENGTH_AWARE: tl.constexpr = False):
     """:func:`_split_span` for a program that serves ROWS consecutive query rows of one sequence at once (their
     GROUP query heads each: ROWS x GROUP columns), so the rows share one read of the keys and values: (seq, begin,
     end, q_off, part, head_ok, limit), ``q_off`` each column's offset in the query, ``limit`` [BLOCK_H] each
@@ -262,7 +315,9 @@ def _rows_span(block, kv_head, split, qsl_ptr, seq_lens_ptr, num_seqs, max_len, 
     limit = tl.load(seq_lens_ptr + seq) - (stop - start) + (row - start) + 1
     limit = tl.where(head_ok, tl.minimum(limit, max_len), 0)
     longest = tl.max(limit, axis=0)
-    per_split = tl.cdiv(tl.cdiv(longest, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    count = _split_count(split, longest, qsl_ptr, seq_lens_ptr, num_seqs, max_len, plan_slots, plan_wanted, BLOCK_N,
+                         NUM_SPLITS, ROWS, LENGTH_AWARE)
+    per_split = tl.cdiv(tl.cdiv(longest, count), BLOCK_N) * BLOCK_N
     begin = split * per_split
     end = tl.minimum(begin + per_split, longest)
     part = (row * (GROUP * tl.num_programs(1)) + q_heads) * NUM_SPLITS + split
@@ -694,7 +749,7 @@ def _stream_fields(kptr, vptr, hptr, base, valid, KEY_FP8: tl.constexpr, KEY_BIT
 def _decode_stream_kernel(
     q_ptr, signs_ptr, cache_ptr, block_table_ptr, seq_lens_ptr, qsl_ptr, cent_ptr, key_lut_ptr, part_out_ptr,
     part_lse_ptr,
-    num_seqs, max_len,
+    num_seqs, max_len, plan_slots, plan_wanted,
     s_qt, s_qh, s_qd, s_bt, s_bm,
     h_blk, h_pos, h_head,
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
@@ -704,7 +759,7 @@ def _decode_stream_kernel(
     DOT_FP32: tl.constexpr, KEY_WORD: tl.constexpr, VALUE_WORD: tl.constexpr, PREFETCH: tl.constexpr,
     ASM: tl.constexpr, INDEX32: tl.constexpr,
     QUERY_IN_KERNEL: tl.constexpr, ROTATE_QUERY: tl.constexpr, Q_PRE: tl.constexpr, Q_POST: tl.constexpr,
-    ROWS: tl.constexpr = 1, GDC: tl.constexpr = False,
+    ROWS: tl.constexpr = 1, LENGTH_AWARE: tl.constexpr = False, GDC: tl.constexpr = False,
 ):
     """The split kernel's contract (see :func:`_decode_split_kernel`) for fp8, 4-bit or 3-bit Lloyd-Max keys with
     4-bit or 3-bit uniform values (vLLM's four presets), a cache whose last stride is 1 and whose fields are WORD-
@@ -718,7 +773,8 @@ def _decode_stream_kernel(
     (software pipelining by hand: the loads are in flight during the math). With QUERY_IN_KERNEL, ``q_ptr`` is the
     model's query and :func:`_stream_query` rotates and scales it (no launch of :func:`prepare_query`); otherwise it
     is prepare_query's. ROWS > 1: a program serves that many consecutive query rows of a sequence
-    (:func:`_rows_span`; grid axis 0 counts row blocks), each column masked at its own causal length."""
+    (:func:`_rows_span`; grid axis 0 counts row blocks), each column masked at its own causal length.
+    LENGTH_AWARE: a row block's split count from the batch's lengths (:func:`_row_splits`, at most NUM_SPLITS)."""
     wait_and_release(GDC)
     row = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -732,13 +788,15 @@ def _decode_stream_kernel(
     if ROWS == 1:
         seq, begin, end, q_heads, part, head_ok = _split_span(row, kv_head, split, qsl_ptr, seq_lens_ptr,
                                                               num_seqs, max_len, GROUP, BLOCK_H, BLOCK_N,
-                                                              NUM_SPLITS, SEARCH_STEPS)
+                                                              NUM_SPLITS, SEARCH_STEPS, plan_slots, plan_wanted,
+                                                              LENGTH_AWARE)
         q_off = row * s_qt + q_heads * s_qh
         limit = end
     else:
         seq, begin, end, q_off, part, head_ok, limit = _rows_span(row, kv_head, split, qsl_ptr, seq_lens_ptr,
                                                                   num_seqs, max_len, s_qt, s_qh, GROUP, BLOCK_H,
-                                                                  BLOCK_N, NUM_SPLITS, SEARCH_STEPS, ROWS)
+                                                                  BLOCK_N, NUM_SPLITS, SEARCH_STEPS, ROWS,
+                                                                  plan_slots, plan_wanted, LENGTH_AWARE)
     if begin >= end:
         tl.store(part_lse_ptr + part, tl.full((BLOCK_H,), float("-inf"), tl.float32), mask=head_ok)
         return
@@ -951,7 +1009,7 @@ def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: t
                      index32: bool | None = None, signs: torch.Tensor | None = None,
                      query_in_kernel: bool | None = None, launch=None,
                      out: torch.Tensor | None = None, key_table: int | None = None,
-                     rows_per_program: int | None = None) -> torch.Tensor:
+                     rows_per_program: int | None = None, length_aware: bool | None = None) -> torch.Tensor:
     """query [T, Hq, D] -> out [T, Hq, D] (query dtype); see the module docstring and ops.attention.
     ``kernel``: "stream" or "bytes" (default: :func:`default_kernel`); the other keywords are tuning
     knobs (the measured best by default). ``lut``: the stream kernel's key lookup table (default:
@@ -971,7 +1029,10 @@ def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: t
     copies; default :func:`gluon_decode.default_key_table`; the other kernels ignore it). ``rows_per_program``:
     query rows of a sequence the stream kernel serves from one read of the cache (default
     :func:`packed_rows`, which also makes the launcher take the stream kernel where it is above 1; the
-    other kernels serve one row a program)."""
+    other kernels serve one row a program). ``length_aware``: the stream and fragment kernels cut each row
+    block's context into a split count from the batch's lengths (:func:`launch_choices.row_splits`; at most
+    ``splits``, the grid's); default where ``splits`` is not given (then the grid is
+    :func:`launch_choices.split_grid`'s); False: every row into ``splits``."""
     require_vllm_layout(preset)
     if launch is None:
         launch = _plain_launch
@@ -1015,11 +1076,18 @@ def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: t
     if block_n is None:
         block_n = stream_block_n(preset, kernel, rows, kv_heads, max_len, query.device)
     if kernel == "stream" and not interpret:
-        maxnreg = maxnreg or stream_maxnreg(dim)
+        maxnreg = maxnreg or stream_maxnreg(dim, max(8, triton.next_power_of_2(group * packed)))
+    occupancy = programs_per_sm(maxnreg, num_warps or 4) if kernel != "bytes" and maxnreg else None
+    if length_aware is None:
+        length_aware = splits is None
+    length_aware = length_aware and kernel != "bytes"
     if splits is None:
-        occupancy = programs_per_sm(maxnreg, num_warps or 4) if kernel != "bytes" and maxnreg else None
+        most = 256 if kernel == "stream" else 128
         splits = num_splits(triton.cdiv(rows, packed), kv_heads, max_len, query.device, block_n, occupancy,
-                            most_splits=256 if kernel == "stream" else 128)
+                            most_splits=most)
+        if length_aware:
+            splits = split_grid(splits, num_seqs, max_len, block_n, most)
+    plan_slots, plan_wanted = plan_capacity(query.device, occupancy)
     part_out = torch.empty(rows, heads, splits, dim, dtype=torch.float32, device=query.device)
     # row blocks cover the sequences' rows only: rows past the last sequence (a padded batch) get no program, and
     # -inf partials make the merge answer 0 for them, as the one-row programs do
@@ -1052,7 +1120,7 @@ def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: t
         grid_rows = rows if packed == 1 else rows // packed + num_seqs  # (see _rows_span)
         launch(_decode_stream_kernel)[(grid_rows, kv_heads, splits)](
             q, signs, kv_cache, block_table, seq_lens, query_start_loc, centroids, lut, part_out, part_lse,
-            num_seqs, max_len, *q.stride(), *block_table.stride(),
+            num_seqs, max_len, plan_slots, plan_wanted, *q.stride(), *block_table.stride(),
             *(st // 2 for st in kv_cache.stride()[:3]),
             GROUP=common["GROUP"], BLOCK_H=max(8, triton.next_power_of_2(group * packed)), D=dim, BLOCK_SIZE=kv_cache.shape[1], BLOCK_N=block_n,
             NUM_SPLITS=splits, SEARCH_STEPS=common["SEARCH_STEPS"], KEY_FP8=preset.key_fp8,
@@ -1062,14 +1130,15 @@ def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: t
             INDEX32=index32 is not False and halves_span(kv_cache) < 2**31,
             QUERY_IN_KERNEL=query_in_kernel, ROTATE_QUERY=rotate and query_in_kernel,
             Q_PRE=q_pre if query_in_kernel else 1.0, Q_POST=q_scale / q_pre if query_in_kernel else 1.0,
-            ROWS=packed, num_warps=num_warps or 4, num_stages=num_stages or 1,
+            ROWS=packed, LENGTH_AWARE=length_aware, num_warps=num_warps or 4, num_stages=num_stages or 1,
             **pdl,
             **({} if maxnreg is None else {"maxnreg": maxnreg}),
         )
     elif kernel == "fragments":
         q = prepare_query(query, None if preset.key_fp8 else rotation, scale * LOG2E)
         gluon_decode.launch(q, kv_cache, block_table, seq_lens, query_start_loc, part_out, part_lse, preset, group,
-                            splits, common["SEARCH_STEPS"], prefetch, stage, maxnreg, key_table)
+                            splits, common["SEARCH_STEPS"], prefetch, stage, maxnreg, key_table,
+                            (plan_slots, plan_wanted) if length_aware else None)
     elif kernel == "bytes":
         q = prepare_query(query, None if preset.key_fp8 else rotation, scale * LOG2E, _traced(launch))
         launch(_decode_split_kernel)[(rows, kv_heads, splits)](

@@ -149,8 +149,9 @@ from tqkv_compile.lowerings import gluon_decode
 results = []
 for name, dim, prefetch, stage, *table in json.loads(sys.argv[1]):
     p = tqkv_compile.get_preset(name, dim)
-    constexprs = dict(GROUP=4, D=dim, BLOCK_SIZE=16, NUM_SPLITS=2, SEARCH_STEPS=7, KEY_FP8=p.key_fp8,
+    constexprs = dict(GROUP=4, D=dim, BLOCK_SIZE=16, NUM_SPLITS=8, SEARCH_STEPS=7, KEY_FP8=p.key_fp8,
                       NORM_CORRECTION=p.norm_correction, PREFETCH=prefetch, STAGE=stage, KEY_TABLE=sum(table),
+                      LENGTH_AWARE=True,
                       H_POS=8 * p.slot_bytes // 2 if stage else 0, KEY_BITS=0 if p.key_fp8 else p.key_bits,
                       VALUE_BITS=p.value_bits,
                       KEY_CODE_BYTES=p.key_code_bytes, VALUE_OFFSET=p.key_bytes, VALUE_CODE_BYTES=p.value_code_bytes,

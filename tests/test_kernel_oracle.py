@@ -77,12 +77,12 @@ def test_reference_backend_is_within_tolerance_of_the_oracle(preset_name):
         _within_tolerance(out, oracle.exact_attention(query, cache, table, lens, qsl, 0.125, preset))
 
 
-def _decode(preset, cache, table, lens, qsl, query, kernel, splits):
+def _decode(preset, cache, table, lens, qsl, query, kernel, splits, **options):
     from tqkv_compile.lowerings.triton_attention import decode_attention
 
     rotation, centroids, _ = tqkv_compile.get_backend("triton").tables(preset, query.device)
     return decode_attention(query, cache, table, lens, qsl, 0.125, preset, rotation, centroids, kernel=kernel,
-                            splits=splits)
+                            splits=splits, **options)
 
 
 def test_stream_kernel_meets_the_oracle_on_a_long_ragged_batch_over_many_splits():
@@ -92,6 +92,63 @@ def test_stream_kernel_meets_the_oracle_on_a_long_ragged_batch_over_many_splits(
     cache, table, lens, qsl, query = _paged(preset, [1, 700, 2500, 9000], [1, 1, 4, 1], kv_heads=1, group=3, seed=3)
     out = _decode(preset, cache, table, lens, qsl, query, "stream", splits=24)
     _within_tolerance(out, oracle.exact_attention(query, cache, table, lens, qsl, 0.125, preset))
+
+
+def test_length_aware_splits_meet_the_oracle_on_a_ragged_batch():
+    """Each row cut into its own split count from the batch's lengths (the launcher's default): lengths 2 .. 6000
+    in one batch, so the rows get 1 to 6 of a grid of 24 splits (launch_choices.row_splits on the interpreter's 4
+    SMs), one row and two rows a program; the answers meet the oracle and agree with every row cut into 24."""
+    preset = get_preset("turboquant_4bit_nc", 64)
+    cache, table, lens, qsl, query = _paged(preset, [2, 700, 2500, 6000], [2, 2, 2, 2], kv_heads=1, group=3, seed=7)
+    exact = oracle.exact_attention(query, cache, table, lens, qsl, 0.125, preset)
+    fixed = _decode(preset, cache, table, lens, qsl, query, "stream", 24, length_aware=False)
+    for rows_per_program in (1, 2):
+        out = _decode(preset, cache, table, lens, qsl, query, "stream", 24, length_aware=True,
+                      rows_per_program=rows_per_program)
+        _within_tolerance(out, exact)
+        torch.testing.assert_close(out, fixed, rtol=0, atol=2e-3)
+
+
+def test_the_kernels_split_plan_is_launch_choices_row_splits():
+    """The plan every program computes (``_row_splits``, from the batch's lengths and rows) is the host's rule,
+    over random ragged batches (1 to 300 sequences: more than one chunk of 128), rows a program 1 and 4, kv heads
+    1 and 8, grids of 8 to 256 splits."""
+    import triton.language as tl
+
+    from tqkv_compile.lowerings import launch_choices as lc
+    from tqkv_compile.lowerings import triton_attention
+
+    global ta  # (the interpreter resolves a kernel's names in its module's globals)
+    ta = triton_attention
+
+    @triton.jit
+    def probe(tiles_ptr, qsl_ptr, lens_ptr, out_ptr, num_seqs, max_len, slots, wanted, BLOCK_N: tl.constexpr,
+              NUM_SPLITS: tl.constexpr, ROWS: tl.constexpr):
+        i = tl.program_id(0)
+        tiles = tl.load(tiles_ptr + i)
+        tl.store(out_ptr + i, ta._row_splits(tiles, qsl_ptr, lens_ptr, num_seqs, max_len, slots, wanted, BLOCK_N,
+                                            NUM_SPLITS, ROWS))
+
+    g = torch.Generator().manual_seed(8)
+    checked = 0
+    for num_seqs, rows_per_program, kv_heads, grid, block_n in [(1, 1, 8, 66, 64), (5, 1, 1, 256, 64),
+                                                                 (64, 1, 4, 8, 64), (300, 4, 8, 8, 128),
+                                                                 (37, 4, 2, 32, 16)]:
+        lens = torch.randint(1, 70000, (num_seqs,), generator=g, dtype=torch.int32)
+        rows = torch.randint(0, 6, (num_seqs,), generator=g, dtype=torch.int32)
+        qsl = torch.cat([torch.zeros(1, dtype=torch.int32), rows.cumsum(0).to(torch.int32)])
+        max_len = 65536
+        probes = torch.randint(0, max_len // block_n + 1, (16,), generator=g, dtype=torch.int32)
+        out = torch.zeros_like(probes)
+        slots, wanted = 3 * 132, 4 * 132
+        probe[(16, kv_heads)](probes, qsl, lens, out, num_seqs, max_len, slots, wanted, BLOCK_N=block_n,
+                              NUM_SPLITS=grid, ROWS=rows_per_program)
+        clamped = [min(n, max_len) for n in lens.tolist()]
+        for tiles, got in zip(probes.tolist(), out.tolist()):
+            assert got == lc.row_splits(clamped, rows.tolist(), tiles * block_n, kv_heads, slots, wanted, block_n,
+                                        grid, rows_per_program), (num_seqs, tiles)
+            checked += 1
+    assert checked == 80
 
 
 @pytest.mark.parametrize("preset_name,kernel,q_scale", [("turboquant_k8v4", "stream", 4.0),

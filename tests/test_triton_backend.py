@@ -560,6 +560,32 @@ def test_split_count_follows_the_wave_model(monkeypatch):
     assert lc.num_splits(1, 8, 32768, cuda, 64) == 64
 
 
+def test_length_aware_split_rule(monkeypatch):
+    """launch_choices.row_splits (the rule each stream / fragment program computes from the batch's lengths): a
+    uniform batch as long as its table gets num_splits' count at every shape of the matrix's kind; in a ragged
+    batch (64 sequences of 1k..64k, 28 / 4 heads) the longest row takes the grid's 8 splits and the shortest 1;
+    the grid widens to RAGGED_SPLITS only for batches of several sequences."""
+    from tqkv_compile.lowerings import launch_choices as lc
+
+    monkeypatch.setattr(lc, "sm_count", lambda device: 132)
+    cuda = torch.device("cuda")
+    for batch, heads, length, block_n, occupancy in [(64, 8, 32768, 64, 4), (16, 1, 8192, 64, 4),
+                                                     (1, 8, 131072, 64, 4), (48, 4, 20000, 64, 3),
+                                                     (32, 8, 16384, 64, 3), (16, 4, 8192, 128, 4)]:
+        static = lc.num_splits(batch, heads, length, cuda, block_n, occupancy)
+        grid = lc.split_grid(static, batch, length, block_n, 128)
+        slots, wanted = lc.plan_capacity(cuda, occupancy)
+        assert grid >= static and (batch > 1 or grid == static)
+        assert lc.row_splits([length] * batch, [1] * batch, length, heads, slots, wanted, block_n, grid) == static
+    ragged = [round(1024 * 2 ** (6 * i / 63)) for i in range(64)]
+    assert lc.num_splits(64, 4, 65536, cuda, 64, 4) == 3 and lc.split_grid(3, 64, 65536, 64, 128) == 8
+    assert lc.row_splits(ragged, [1] * 64, max(ragged), 4, 528, 528, 64, 8) == 8
+    assert lc.row_splits(ragged, [1] * 64, min(ragged), 4, 528, 528, 64, 8) == 1
+    # four rows a sequence packed by 4: one row block a sequence, as one row a sequence would be
+    assert lc.row_splits([16384] * 32, [4] * 32, 16384, 8, 396, 528, 64, 8, rows_per_program=4) == \
+        lc.row_splits([16384] * 32, [1] * 32, 16384, 8, 396, 528, 64, 8)
+
+
 @pytest.mark.parametrize("dim", HEAD_DIMS)
 @pytest.mark.parametrize("preset_name", PRESETS)
 def test_kv_dot_logits_match_reference(preset_name, dim):
