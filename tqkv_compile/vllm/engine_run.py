@@ -79,9 +79,9 @@ def run(args: argparse.Namespace) -> dict:
         kwargs["async_scheduling"] = args.async_scheduling
     forced = _forced_tokens(args)
     if forced is not None:  # teacher-forced decoding (tqkv_compile.vllm.forced_tokens)
-        from tqkv_compile.vllm.forced_tokens import ForcedTokens
+        from tqkv_compile.vllm import forced_tokens
 
-        kwargs["logits_processors"] = [ForcedTokens]
+        kwargs["logits_processors"] = [forced_tokens.processor()]
     if args.ngram:  # speculative decoding: n-gram proposals from the prompt, verified by the model
         kwargs["speculative_config"] = {"method": "ngram", "num_speculative_tokens": args.ngram,
                                         "prompt_lookup_max": 4, "prompt_lookup_min": 2}

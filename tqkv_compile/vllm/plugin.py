@@ -32,6 +32,9 @@ def register() -> None:
         logger.warning("tqkv: not enabled: %s", reason)
         _done = True
         return
+    note = adapter.unproven_note()
+    if note:
+        logger.warning("tqkv: %s", note)
     adapter.override_attention_backend()
     from tqkv_compile.vllm import wrapper_ops
 

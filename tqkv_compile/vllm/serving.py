@@ -43,6 +43,21 @@ def stored_preset(cache_dtype: str) -> str:
     return cache_dtype
 
 
+def spec_slot_bytes(spec: Any) -> int | None:
+    """The bytes tqkv stores per token and kv head in a layer of vLLM's KV-cache ``spec`` (an ``AttentionSpec``
+    of a TurboQuant dtype): the stored preset's ``slot_bytes``. None for a layer tqkv would not serve (sliding
+    window, other head sizes, K and V of different sizes, not full attention), so that vLLM's own path finds
+    the layout it expects there. The backends' ``customize_spec`` allocate by it."""
+    mode = getattr(spec, "kv_quant_mode", None)
+    if mode is None or not getattr(mode, "is_turboquant", False):
+        return None
+    name = mode.name.lower()
+    if (name not in PRESETS or spec.head_size not in SUPPORTED_HEAD_DIMS or spec.head_size_v != spec.head_size
+            or getattr(spec, "sliding_window", None) is not None or type(spec).__name__ != "FullAttentionSpec"):
+        return None
+    return get_preset(stored_preset(name), spec.head_size).slot_bytes
+
+
 #: how layer_fit's reasons begin where a preset of ours asked for cannot be served (logged as a warning)
 UNSERVED_PRESET = "tqkv preset"
 
