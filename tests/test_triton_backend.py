@@ -578,9 +578,10 @@ def test_length_aware_split_rule(monkeypatch):
         assert grid >= static and (batch > 1 or grid == static)
         assert lc.row_splits([length] * batch, [1] * batch, length, heads, slots, wanted, block_n, grid) == static
     ragged = [round(1024 * 2 ** (6 * i / 63)) for i in range(64)]
-    assert lc.num_splits(64, 4, 65536, cuda, 64, 4) == 3 and lc.split_grid(3, 64, 65536, 64, 128) == 8
-    assert lc.row_splits(ragged, [1] * 64, max(ragged), 4, 528, 528, 64, 8) == 8
-    assert lc.row_splits(ragged, [1] * 64, min(ragged), 4, 528, 528, 64, 8) == 1
+    # (the fragment kernel at PREFETCH 2: 3 programs an SM, 396 slots)
+    assert lc.num_splits(64, 4, 65536, cuda, 64, 3) == 3 and lc.split_grid(3, 64, 65536, 64, 128) == 8
+    assert lc.row_splits(ragged, [1] * 64, max(ragged), 4, 396, 528, 64, 8) == 8
+    assert lc.row_splits(ragged, [1] * 64, min(ragged), 4, 396, 528, 64, 8) == 1
     # four rows a sequence packed by 4: one row block a sequence, as one row a sequence would be
     assert lc.row_splits([16384] * 32, [4] * 32, 16384, 8, 396, 528, 64, 8, rows_per_program=4) == \
         lc.row_splits([16384] * 32, [1] * 32, 16384, 8, 396, 528, 64, 8)
