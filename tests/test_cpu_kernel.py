@@ -1,10 +1,11 @@
 """The native CPU decode attention (tqkv_compile/csrc/cpu_decode.cpp, tqkv_compile/backends/cpu_kernel.py)
 against the exact oracle: fp64 attention over the codec's decode of the very cache bytes.
 
-Both of its paths (AVX2 + FMA where this CPU has them, and the portable one) on every preset it serves at
-every head size, GQA groups 1 / 3 / 5 / 8, ragged batches up to 5000 positions with several query rows a
-sequence, flat and peaked attention, vLLM's strided CPU cache view, fp32 / bf16 / fp16 queries. Then how the
-PyTorch backend uses it: its decode rows, ``TQKV_CPU_KERNEL=0``, presets it does not serve, no compiler.
+Both of its paths (AVX2 + FMA where this CPU has them, and the portable one) on every preset (vLLM's and ours)
+at every head size, GQA groups 1 / 3 / 5 / 8, ragged batches up to 5000 positions with several query rows a
+sequence, flat and peaked attention, vLLM's strided CPU cache view, fp32 / bf16 / fp16 queries; slot layouts no
+preset has yet (the general path's other branches). Then how the PyTorch backend uses it: its decode rows,
+``TQKV_CPU_KERNEL=0``, layouts it does not serve, no compiler.
 """
 
 from __future__ import annotations
@@ -16,12 +17,24 @@ import torch
 import tqkv_compile
 from tqkv_compile import oracle
 from tqkv_compile.backends import cpu_kernel
-from tqkv_compile.codec import get_preset, own_preset_names, preset_names
+from tqkv_compile.codec import Preset, PresetSpec, get_preset, own_preset_names, preset_names
 from paged_batches import paged_batch as _paged
 
 L2_LIMIT, MAX_LIMIT = 0.01, 0.02
-SERVED = [name for name in preset_names() + own_preset_names() if get_preset(name, 64).vllm_layout]
+PRESETS = preset_names() + own_preset_names()
+WRITTEN = [name for name in PRESETS if get_preset(name, 64).vllm_layout]  # the kernel's encode: vLLM's layouts
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+#: slot layouts no preset has yet, each reaching a branch of the general path the presets do not: uniform values
+#: (5-bit keys; 2-bit values), fp8 keys with Lloyd-Max values, wide key coordinates, 5-bit wide value codes,
+#: several outlier channels with 2-bit keys
+LAYOUTS = {
+    "layout_k5_uniform_v4": PresetSpec(5, 4, True, None),
+    "layout_k4_uniform_v2": PresetSpec(4, 2, False, None),
+    "layout_fp8_lloyd_max_v3": PresetSpec(8, 3, False, None, value_format="lloyd_max"),
+    "layout_k3w_v4w": PresetSpec(3, 4, True, None, value_format="lloyd_max", key_extra_bits=0.5,
+                                 value_extra_bits=0.125),
+    "layout_k2o3_v2w": PresetSpec(2, 2, True, None, value_format="lloyd_max", key_outliers=3, value_extra_bits=0.5),
+}
 
 pytestmark = pytest.mark.skipif(not cpu_kernel.load(), reason="the CPU decode kernel could not be built here")
 
@@ -38,13 +51,20 @@ def _check(preset, case, vectorized, scale):
     return out
 
 
+def test_every_preset_is_served():
+    """vLLM's presets and ours, at every head size the codec supports."""
+    for name in PRESETS:
+        for dim in (64, 128, 256):
+            assert cpu_kernel.supports_preset(get_preset(name, dim)), (name, dim)
+
+
 @pytest.mark.parametrize("dim", [64, 128, 256])
-@pytest.mark.parametrize("preset_name", SERVED)
+@pytest.mark.parametrize("preset_name", PRESETS)
 def test_every_preset_and_head_size_is_within_tolerance_of_the_oracle(preset_name, dim):
     """A ragged batch (1, 17, 300 and 5000 positions; 1, 3, 8 and 2 query rows), flat and peaked, both paths;
     the group, the query dtype and the cache's layout vary with the case."""
     preset = get_preset(preset_name, dim)
-    k = SERVED.index(preset_name) + [64, 128, 256].index(dim)
+    k = PRESETS.index(preset_name) + [64, 128, 256].index(dim)
     group, dtype, strided = [1, 3, 5, 8][k % 4], DTYPES[k % 3], k % 2 == 0
     for q_scale in (1.0, 4.0):
         case = _paged(preset, [1, 17, 300, 5000], [1, 3, 8, 2], kv_heads=2, group=group, q_scale=q_scale,
@@ -54,12 +74,27 @@ def test_every_preset_and_head_size_is_within_tolerance_of_the_oracle(preset_nam
         torch.testing.assert_close(fast.float(), portable.float(), atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize("dim", [64, 256])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_slot_layouts_of_no_preset_yet_are_within_tolerance_of_the_oracle(layout, dim):
+    """The general path reads whatever fields the codec writes: a ragged batch with several rows a sequence,
+    peaked attention, fp32 queries (the kernel's own error), both paths."""
+    preset = Preset(layout, dim, LAYOUTS[layout])
+    assert cpu_kernel.supports_preset(preset)
+    k = list(LAYOUTS).index(layout)
+    case = _paged(preset, [1, 17, 300], [1, 3, 2], kv_heads=2, group=[1, 3, 4][k % 3], q_scale=4.0,
+                  dtype=torch.float32, strided=k % 2 == 0, seed=k)
+    _check(preset, case, True, dim**-0.5)
+    _check(preset, case, False, dim**-0.5)
+
+
 @pytest.mark.parametrize("group", [1, 3, 5, 8])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_gqa_groups_and_query_dtypes(group, dtype):
     """Every query head of a group reads its kv head (h // group); several rows a sequence see their own
-    causal prefix; vLLM's strided view; the fp8-key preset and a 3-bit one."""
-    for name in ("turboquant_k8v4", "turboquant_3bit_nc"):
+    causal prefix; vLLM's strided view; the fp8-key preset, a 3-bit one and one with a key outlier channel (read
+    from the query in the original basis)."""
+    for name in ("turboquant_k8v4", "turboquant_3bit_nc", "tqkv_k4o1v225"):
         preset = get_preset(name, 128)
         for q_scale in (1.0, 4.0):
             case = _paged(preset, [33, 700, 5], [4, 1, 5], kv_heads=3, group=group, q_scale=q_scale, dtype=dtype,
@@ -82,8 +117,8 @@ def test_query_rows_past_the_batch_are_zero_and_out_is_written():
 
 def test_the_pytorch_backend_serves_decode_rows_with_the_kernel(monkeypatch):
     """A pure decode batch through ``tqkv::attention`` on the CPU takes the kernel (and the validate mode finds
-    it at float rounding from the reference); ``TQKV_CPU_KERNEL=0`` and a preset of other layout take the
-    reference's attention."""
+    it at float rounding from the reference), for vLLM's presets and ours; ``TQKV_CPU_KERNEL=0`` and a layout
+    the kernel does not read (6-bit codes) take the reference's attention."""
     calls = []
     kernel = cpu_kernel.attention
     monkeypatch.setattr(cpu_kernel, "attention", lambda *a, **k: calls.append(a[6].name) or kernel(*a, **k))
@@ -102,12 +137,20 @@ def test_the_pytorch_backend_serves_decode_rows_with_the_kernel(monkeypatch):
     monkeypatch.setenv("TQKV_CPU_KERNEL", "0")
     assert torch.equal(torch.ops.tqkv.attention(query, cache, table, lens, qsl, 0.125, preset.name), reference)
     monkeypatch.delenv("TQKV_CPU_KERNEL")
-    own = get_preset("tqkv_k5v3", 64)
-    assert not own.vllm_layout and not cpu_kernel.supports_preset(own)
-    cache, table, lens, qsl, query = _paged(own, [30, 7], [1, 1], kv_heads=2, group=3, dtype=torch.float32)
-    torch.ops.tqkv.attention(query, cache, table, lens, qsl, 0.125, own.name)
-    assert calls == [preset.name]
     torch.testing.assert_close(out, reference, atol=1e-5, rtol=1e-5)
+    own = get_preset("tqkv_k5v3", 64)
+    cache, table, lens, qsl, query = _paged(own, [30, 7], [1, 1], kv_heads=2, group=3, dtype=torch.float32)
+    out = torch.ops.tqkv.attention(query, cache, table, lens, qsl, 0.125, own.name)
+    assert calls == [preset.name, own.name]
+    reference = tqkv_compile.get_backend("reference").attention(query, cache, table, lens, qsl, 0.125, own)
+    torch.testing.assert_close(out, reference, atol=1e-5, rtol=1e-5)
+    wide = Preset("layout_k5w", 64, PresetSpec(5, 3, True, None, key_extra_bits=0.25))
+    assert not cpu_kernel.supports_preset(wide)
+    cache, table, lens, qsl, query = _paged(wide, [30, 7], [1, 1], kv_heads=2, group=3, dtype=torch.float32)
+    out = tqkv_compile.get_backend("pytorch").attention(query, cache, table, lens, qsl, 0.125, wide)
+    assert calls == [preset.name, own.name]
+    reference = tqkv_compile.get_backend("reference").attention(query, cache, table, lens, qsl, 0.125, wide)
+    assert torch.equal(out, reference)
 
 
 def test_without_a_compiler_one_line_says_so_and_the_pytorch_path_serves(monkeypatch, capsys):
@@ -133,7 +176,7 @@ def test_without_a_compiler_one_line_says_so_and_the_pytorch_path_serves(monkeyp
 
 
 @pytest.mark.parametrize("dim", [64, 128, 256])
-@pytest.mark.parametrize("preset_name", SERVED)
+@pytest.mark.parametrize("preset_name", WRITTEN)
 def test_kv_write_stores_the_codecs_bytes(preset_name, dim):
     """The kernel's encode (decode steps' kv_write) against ``Preset.encode``: the same bytes, but for a code
     whose rotated coordinate sits within float rounding of a midpoint (its sums are fp64, torch's fp32), at
@@ -159,8 +202,8 @@ def test_kv_write_stores_the_codecs_bytes(preset_name, dim):
 
 
 def test_the_pytorch_backend_writes_decode_steps_with_the_kernel(monkeypatch):
-    """A decode step's few vectors through the kernel's encode; a prefill's many, and ``TQKV_CPU_KERNEL=0``,
-    through the reference's."""
+    """A decode step's few vectors through the kernel's encode; a prefill's many, ``TQKV_CPU_KERNEL=0`` and
+    presets of ours with their own layouts (the kernel encodes vLLM's) through the reference's."""
     calls = []
     encode = cpu_kernel.kv_write
     monkeypatch.setattr(cpu_kernel, "kv_write", lambda *a: calls.append(a[0].shape[0]) or encode(*a))
@@ -170,6 +213,13 @@ def test_the_pytorch_backend_writes_decode_steps_with_the_kernel(monkeypatch):
     for tokens in (4, many):
         torch.ops.tqkv.kv_write(torch.randn(tokens, 3, 64), torch.randn(tokens, 3, 64), cache,
                                 torch.arange(tokens), preset.name)
+    own = get_preset("tqkv_k4o1v225", 64)
+    own_cache = torch.zeros(10, 16, 3, own.slot_bytes, dtype=torch.uint8)
+    key, value = torch.randn(4, 3, 64), torch.randn(4, 3, 64)
+    torch.ops.tqkv.kv_write(key, value, own_cache, torch.arange(4), own.name)
+    assert torch.equal(own_cache[0, :4], own.encode(key, value))
+    with pytest.raises(ValueError, match="vLLM's slot layouts"):
+        encode(key, value, own_cache, torch.arange(4), own)
     monkeypatch.setenv("TQKV_CPU_KERNEL", "0")
     torch.ops.tqkv.kv_write(torch.randn(4, 3, 64), torch.randn(4, 3, 64), cache, torch.arange(4), preset.name)
     assert calls == [4]

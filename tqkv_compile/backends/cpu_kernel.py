@@ -11,8 +11,11 @@ hashes the source, so an edited source builds anew and a built one loads in well
 time said once on stderr. Where no compiler works, one line says so and the PyTorch path
 (``ReferenceBackend.attention``) serves; ``TQKV_CPU_KERNEL=0`` forces that path.
 
-Serves vLLM's slot layouts (``Preset.vllm_layout``: fp8 / 3 / 4-bit keys, 3 / 4-bit uniform values, with or
-without norm correction) at head sizes 64, 128 and 256; other presets keep the PyTorch path.
+Its decode serves every preset of codec.py at head sizes 64, 128 and 256 (:func:`supports_preset`): vLLM's slot
+layouts (``Preset.vllm_layout``) through code specialised by key and value width, the others (5-bit keys, key
+outlier channels, Lloyd-Max values with wide coordinates: ``tqkv_k5v3``, ``tqkv_k4o1v225``) through a path that
+decodes any field widths. Its encode (:func:`serves_write`) serves vLLM's slot layouts; other presets are
+written by the PyTorch encode.
 """
 
 from __future__ import annotations
@@ -23,9 +26,11 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
+from tqkv_compile import lloyd_max
 from tqkv_compile.codec import Preset
 
 SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "cpu_decode.cpp"
@@ -98,9 +103,20 @@ def _build_and_load() -> bool:
         return False
 
 
+#: the widest Lloyd-Max codes (wide coordinates included) and the most key outlier channels the kernel reads:
+#: its centroid tables are four vector registers of 8 entries
+MAX_CODE_BITS = 5
+MAX_KEY_OUTLIERS = 4
+
+
 def supports_preset(preset: Preset) -> bool:
-    """vLLM's slot layouts at head sizes 64 / 128 / 256."""
-    return preset.vllm_layout and preset.head_dim in (64, 128, 256) and not preset.key_outliers
+    """Head sizes 64 / 128 / 256, fp8 keys or Lloyd-Max keys of at most 5 bits (their wide coordinates' widths
+    included), values of 2 to 5 bits (likewise), at most 4 key outlier channels: every preset of codec.py."""
+    key_bits = preset.key_bits + (1 if preset.key_wide_coords else 0)
+    value_bits = preset.value_bits + (1 if preset.value_wide_coords else 0)
+    return (preset.head_dim in (64, 128, 256) and (preset.key_fp8 or 2 <= key_bits <= MAX_CODE_BITS)
+            and 2 <= preset.value_bits and value_bits <= MAX_CODE_BITS
+            and preset.key_outliers <= MAX_KEY_OUTLIERS)
 
 
 def serves(preset: Preset, query: torch.Tensor, kv_cache: torch.Tensor) -> bool:
@@ -128,26 +144,49 @@ def attention(query, kv_cache, block_table, seq_lens, query_start_loc, scale, pr
     into = out if out is not None and (out.shape[-1] <= 1 or out.stride(-1) == 1) else torch.empty_like(q)
     torch.ops.tqkv_cpu.decode_attention(
         q, kv_cache, block_table.to(torch.int32).contiguous(), seq_lens.to(torch.int64).contiguous(),
-        query_start_loc.to(torch.int64).contiguous(), _key_tables(preset)[0], into, float(scale),
-        8 if preset.key_fp8 else preset.key_bits, preset.value_bits, preset.norm_correction, preset.key_code_bytes,
-        preset.key_bytes, preset.value_code_bytes, vectorized)
+        query_start_loc.to(torch.int64).contiguous(), _tables(preset).decode, preset.rotation(), into, float(scale),
+        8 if preset.key_fp8 else preset.key_bits, preset.key_wide_coords, preset.key_outliers,
+        preset.norm_correction, preset.value_bits, preset.value_wide_coords, preset.value_lloyd_max,
+        preset.key_code_bytes, preset.key_bytes, preset.value_code_bytes, preset.slot_bytes, vectorized)
     if out is not None and into is not out:
         out.copy_(into)
         return out
     return into
 
 
-_key_tables_made: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]] = {}
+class Tables(NamedTuple):
+    """A preset's tables, fp32 and contiguous: ``decode`` [4, 32], the Lloyd-Max centroids of the keys' codes, of
+    their wide coordinates' codes, of the values' codes and of their wide coordinates' codes, zero-padded (rows
+    of fields the preset lacks are zeros); ``key_centroids`` [2^b] and ``key_midpoints`` [2^b - 1] for the
+    encode (both empty for fp8 keys)."""
+
+    decode: torch.Tensor
+    key_centroids: torch.Tensor
+    key_midpoints: torch.Tensor
 
 
-def _key_tables(preset: Preset) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp32 ([16], [15]) (or fewer) centroids of the preset's keys and their midpoints, both empty for fp8 keys;
-    made once a preset (keyed by name and head size: hashing the frozen Preset itself costs ~5 us a call)."""
+_tables_made: dict[tuple[str, int], Tables] = {}
+
+
+def _tables(preset: Preset) -> Tables:
+    """The preset's :class:`Tables`, made once a preset (keyed by name and head size: hashing the frozen Preset
+    itself costs ~5 us a call)."""
     k = (preset.name, preset.head_dim)
-    if k not in _key_tables_made:
-        _key_tables_made[k] = ((torch.zeros(0), torch.zeros(0)) if preset.key_fp8 else
-                               (preset.centroids().float().contiguous(), preset.midpoints().float().contiguous()))
-    return _key_tables_made[k]
+    if k not in _tables_made:
+        decode = torch.zeros(4, 32, dtype=torch.float32)
+        dim = preset.head_dim
+        fields = [] if preset.key_fp8 else [(0, preset.key_bits, True), (1, preset.key_bits + 1, preset.key_wide_coords)]
+        if preset.value_lloyd_max:
+            fields += [(2, preset.value_bits, True), (3, preset.value_bits + 1, preset.value_wide_coords)]
+        for row, bits, present in fields:
+            if present and bits <= MAX_CODE_BITS:
+                decode[row, : 1 << bits] = lloyd_max.centroids(dim, bits)
+        if preset.key_fp8:
+            centroids = midpoints = torch.zeros(0)
+        else:
+            centroids, midpoints = preset.centroids().float().contiguous(), preset.midpoints().float().contiguous()
+        _tables_made[k] = Tables(decode, centroids, midpoints)
+    return _tables_made[k]
 
 
 #: kv_write calls with at most this many (token, kv head) vectors take the kernel's encode (decode steps, short
@@ -157,7 +196,8 @@ WRITE_MAX_VECTORS = 1024
 
 def serves_write(preset: Preset, key: torch.Tensor, kv_cache: torch.Tensor) -> bool:
     """Whether :func:`kv_write` serves this call: CPU tensors, vLLM's slot layouts, a few vectors, the kernel on."""
-    return (key.device.type == "cpu" and kv_cache.device.type == "cpu" and supports_preset(preset)
+    return (key.device.type == "cpu" and kv_cache.device.type == "cpu" and preset.vllm_layout
+            and supports_preset(preset)
             and key.shape[0] * key.shape[1] <= WRITE_MAX_VECTORS and kv_cache.stride(3) == 1 and enabled()
             and load())
 
@@ -167,12 +207,14 @@ def kv_write(key, value, kv_cache, slot_mapping, preset: Preset) -> None:
     encoded into the slots ``slot_mapping`` (int [T], negative: skipped) of the cache view. The codec's bytes;
     a code may differ where a rotated coordinate lies within float rounding of a midpoint (the rotation's sums
     are fp64 here, fp32 in torch's matmul)."""
+    if not preset.vllm_layout:
+        raise ValueError(f"{preset.name}: the kernel's encode writes vLLM's slot layouts only")
     if not load():
         raise RuntimeError("the CPU decode kernel is not available (see the [tqkv] line above)")
     key = key if key.stride(-1) == 1 else key.contiguous()
     value = value.to(key.dtype) if value.stride(-1) == 1 else value.to(key.dtype).contiguous()
-    centroids, midpoints = _key_tables(preset)
+    tables = _tables(preset)
     torch.ops.tqkv_cpu.kv_write(
-        key, value, kv_cache, slot_mapping.to(torch.int64).contiguous(), midpoints, centroids,
+        key, value, kv_cache, slot_mapping.to(torch.int64).contiguous(), tables.key_midpoints, tables.key_centroids,
         8 if preset.key_fp8 else preset.key_bits, preset.value_bits, preset.norm_at_write, preset.key_code_bytes,
         preset.key_bytes, preset.value_code_bytes, preset.slot_bytes)

@@ -8,26 +8,37 @@
 //   cache  uint8 [num_blocks, block_size, Hk, slot_bytes], any strides with the last one 1 (vLLM's CPU
 //          allocation is [num_blocks, Hk, block_size, 2 D] permuted and sliced)
 //   block_table int32 [B, M] contiguous; seq_lens, starts int64 [B], [B + 1] (query_start_loc)
-//   table  fp32 [16] Lloyd-Max centroids (unused for fp8 keys)
+//   tables fp32 [4, 32]: Lloyd-Max centroids of the keys' codes, of their wide coordinates' codes, of the
+//          values' codes and of their wide coordinates' codes (zero-padded; unused rows ignored)
+//   hadamard fp32 [D, D]: H (codec's rotation), read for key outliers
 //   out    the query's dtype and shape, its last dimension contiguous; rows outside starts[0] .. starts[B]
 //          are zeroed (padding rows)
 //
 // Row j of a sequence with n new rows and L positions sees positions 0 .. L - n + j; query head h reads kv
-// head h / (Hq / Hk). Slot bytes (codec.py's docstring): key codes (fp8 bytes, or b-bit centroid indices,
-// code i at bit i b, little-endian) and an fp16 norm (Lloyd-Max keys), then value codes (v-bit uniform
-// codes), fp16 scale, fp16 zero. A logit is scale * norm * <q, c> (/ ||c|| with norm correction), a value
-// coordinate scale_v * code + zero_v, so P.V = (P scale_v) . codes + (P . zero_v). The codes are taken
-// centred, code - (2^v - 1) / 2, and zero_v + scale_v (2^v - 1) / 2 is the per-token offset: the vector's
-// midrange, near zero, where zero_v is near -max|v|; so the two sums do not carry large terms that cancel.
+// head h / (Hq / Hk). Slot bytes (codec.py's docstring): the key part, then the value part.
+// - Keys: fp8 bytes, or Lloyd-Max codes (the first key_wide rotated coordinates at b + 1 bits, then the rest
+//   at b bits, code i of a group at bit i b, little-endian), an fp16 norm, and key_outliers channels stored
+//   apart (uint8 channel indices, then fp8 values). A logit is scale * nf * <q H, c> with c the gathered
+//   centroids and nf = norm (/ ||c|| with norm correction); an outlier channel k replaces the key's
+//   coordinate k, so it adds scale * q_k * (outlier - nf (c H)_k) (q in the original basis).
+// - Values, uniform (vLLM's): v-bit codes, fp16 scale, fp16 zero; a coordinate is scale_v * code + zero_v, so
+//   P.V = (P scale_v) . codes + (P . zero_v). The codes are taken centred, code - (2^v - 1) / 2, and
+//   zero_v + scale_v (2^v - 1) / 2 is the per-token offset: the vector's midrange, near zero, where zero_v is
+//   near -max|v|; so the two sums do not carry large terms that cancel.
+// - Values, Lloyd-Max (presets of ours): coded like the keys (wide coordinates too), always norm-corrected:
+//   a value is norm / ||c|| * (c H), so P.V = ((P norm / ||c||) . c) H: the sum is kept in the rotated basis
+//   and rotated once at the end.
 //
 // Work: one task per (sequence, kv head) through at::parallel_for; a task walks its positions in tiles,
-// decodes each slot once (keys as centroids / fp8 to fp32, values as codes to fp32) into a small buffer that
-// serves every query row and head of the GQA group, and keeps an online softmax (a running max, a running sum,
-// the accumulator of (P scale_v) . codes and the running P . zero_v) per query vector, all fp32.
-// Two implementations: AVX2 + FMA + F16C (functions compiled for that target, chosen at run time where the CPU
-// has them; centroid lookups by _mm256_permutevar8x32_ps on the table's two halves; 4-bit codes decoded in
-// nibble order, each 16 coordinates' 8 even ones then 8 odd ones, the query permuted alike and the output put
-// back) and portable scalar C++.
+// decodes each slot once (keys as centroids / fp8 to fp32, values as codes or centroids to fp32) into a small
+// buffer that serves every query row and head of the GQA group, and keeps an online softmax (a running max, a
+// running sum, the accumulator of (P scale_v) . values and the running P . zero_v) per query vector, all fp32.
+// Three implementations: for vLLM's slot layouts AVX2 + FMA + F16C specialised by key and value width
+// (functions compiled for that target, chosen at run time where the CPU has them; centroid lookups by
+// _mm256_permutevar8x32_ps on the table's two halves; 4-bit codes decoded in nibble order, each 16
+// coordinates' 8 even ones then 8 odd ones, the query permuted alike and the output put back); for the other
+// layouts AVX2 decoding a tile field by field (lookups from up to four registers of 8 centroids; the outliers'
+// (c H)_k from H's rows, 8 slots at a time); and portable scalar C++ for every layout.
 //
 // A second op, torch.ops.tqkv_cpu.kv_write, encodes a decode step's few tokens (see kv_write below).
 
@@ -57,6 +68,8 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 enum QueryType { kF32 = 0, kBF16 = 1, kF16 = 2 };
 
+constexpr int kMaxOutliers = 4;  // key outlier channels a slot (codec: key_outliers)
+
 struct Problem {
   const void* q;
   void* out;
@@ -73,11 +86,16 @@ struct Problem {
   const int64_t* starts;
   int64_t Hq, Hk, group, D;
   float scale;
-  float table[16];
-  int key_kind;  // 8: fp8 e4m3 keys; 3 or 4: Lloyd-Max bits
-  int value_bits;
+  float key_table[32], key_wide_table[32], value_table[32], value_wide_table[32];
+  const float* hadamard;  // fp32 [D, D], H (symmetric): row k gives the key outliers' (c H)_k
+  int key_kind;  // 8: fp8 e4m3 keys; 2 to 5: Lloyd-Max bits
+  int64_t key_wide;  // leading rotated key coordinates coded with key_kind + 1 bits
+  int key_outliers;
   bool norm_correction;
-  int64_t key_code_bytes, key_bytes, value_code_bytes;
+  int value_bits;
+  int64_t value_wide;  // Lloyd-Max values: leading rotated coordinates coded with value_bits + 1 bits
+  bool value_lloyd_max;
+  int64_t key_code_bytes, key_bytes, value_code_bytes, slot_bytes;
 
   const uint8_t* slot(int64_t b, int64_t h, int64_t t) const {
     const int64_t block = block_table[b * bt_stride + t / block_size];
@@ -109,25 +127,39 @@ inline float load_elem(const void* base, int qtype, int64_t i) {
   return static_cast<const float*>(base)[i];
 }
 
-// The query vectors of sequence b's rows and kv head h's group, fp32 [n G, D] in the keys' stored basis.
-void load_queries(const Problem& P, int64_t first, int64_t n, int64_t h, float* dst) {
+// y[D] <- y @ (H sqrt(D)): the Walsh-Hadamard transform in Sylvester order (H's signs), in place.
+void walsh_hadamard(double* y, int64_t D) {
+  for (int64_t len = 1; len < D; len <<= 1)
+    for (int64_t i = 0; i < D; i += 2 * len)
+      for (int64_t k = i; k < i + len; ++k) {
+        const double a = y[k], b = y[k + len];
+        y[k] = a + b, y[k + len] = a - b;
+      }
+}
+
+// x[D] <- x @ H in fp64, rounded to fp32 (Lloyd-Max values: the rotated basis back to the original).
+void rotate_in_place(float* x, int64_t D, float h_entry) {
+  double y[256];
+  for (int64_t d = 0; d < D; ++d) y[d] = x[d];
+  walsh_hadamard(y, D);
+  for (int64_t d = 0; d < D; ++d) x[d] = float(y[d] * double(h_entry));
+}
+
+// The query vectors of sequence b's rows and kv head h's group, fp32 [n G, D], rotated into the keys' stored
+// basis (rotate) or as given (the original basis, where the key outliers' channels are).
+void load_queries(const Problem& P, int64_t first, int64_t n, int64_t h, float* dst, bool rotate) {
   const int64_t D = P.D, G = P.group;
   double y[256];
   for (int64_t j = 0; j < n; ++j)
     for (int64_t g = 0; g < G; ++g) {
       const int64_t at = (first + j) * P.q_st + (h * G + g) * P.q_sh;
       float* q = dst + (j * G + g) * D;
-      if (!P.rotate) {
+      if (!rotate) {
         for (int64_t d = 0; d < D; ++d) q[d] = load_elem(P.q, P.qtype, at + d);
         continue;
       }
       for (int64_t d = 0; d < D; ++d) y[d] = load_elem(P.q, P.qtype, at + d);
-      for (int64_t len = 1; len < D; len <<= 1)
-        for (int64_t i = 0; i < D; i += 2 * len)
-          for (int64_t k = i; k < i + len; ++k) {
-            const double a = y[k], b = y[k + len];
-            y[k] = a + b, y[k + len] = a - b;
-          }
+      walsh_hadamard(y, D);
       for (int64_t d = 0; d < D; ++d) q[d] = float(y[d] * double(P.h_entry));
     }
 }
@@ -153,7 +185,29 @@ inline int code_at(const uint8_t* codes, int bits, int64_t i) {
 // ---------------------------------------------------------------------------------------------------------
 // Portable path: one position at a time, per query vector an online softmax.
 
-// Keys into key[D] (stored basis, unit centroids or fp8 values); returns the logit factor (norm / ||c||,
+// Lloyd-Max centroids of `count` codes of `bits` bits at `codes` into dst; returns their sum of squares.
+float centroids_scalar(const uint8_t* codes, int bits, int64_t count, const float* table, float* dst) {
+  float sumsq = 0.f;
+  for (int64_t d = 0; d < count; ++d) {
+    const float c = table[code_at(codes, bits, d)];
+    dst[d] = c;
+    sumsq += c * c;
+  }
+  return sumsq;
+}
+
+// A Lloyd-Max field at `field` (codec's _decode_lloyd_max: the wide coordinates' codes, then the rest's, then
+// the fp16 norm) into dst[D], the centroids in the rotated basis; returns the norm, / ||c|| with correction.
+float lloyd_max_scalar(const uint8_t* field, int bits, int64_t wide, int64_t D, const float* table,
+                       const float* wide_table, bool norm_correction, float* dst) {
+  const int64_t wide_bytes = wide * (bits + 1) / 8;
+  float sumsq = centroids_scalar(field, bits + 1, wide, wide_table, dst);
+  sumsq += centroids_scalar(field + wide_bytes, bits, D - wide, table, dst + wide);
+  const float norm = read_half(field + wide_bytes + (D - wide) * bits / 8);
+  return norm_correction ? norm / std::sqrt(sumsq + 1e-16f) : norm;
+}
+
+// Keys into key[D] (stored basis, unit centroids or fp8 values); returns the logit factor nf (norm / ||c||,
 // norm, or 1 for fp8).
 float decode_key_scalar(const Problem& P, const uint8_t* slot, float* key) {
   const int64_t D = P.D;
@@ -161,30 +215,44 @@ float decode_key_scalar(const Problem& P, const uint8_t* slot, float* key) {
     for (int64_t d = 0; d < D; ++d) key[d] = fp8_e4m3_to_float(slot[d]);
     return 1.f;
   }
-  float sumsq = 0.f;
-  for (int64_t d = 0; d < D; ++d) {
-    const float c = P.table[code_at(slot, P.key_kind, d)];
-    key[d] = c;
-    sumsq += c * c;
-  }
-  const float norm = read_half(slot + P.key_code_bytes);
-  return P.norm_correction ? norm / std::sqrt(sumsq + 1e-16f) : norm;
+  return lloyd_max_scalar(slot, P.key_kind, P.key_wide, D, P.key_table, P.key_wide_table, P.norm_correction, key);
 }
 
 void task_scalar(const Problem& P, int64_t b, int64_t h) {
   const int64_t first = P.starts[b], n = P.starts[b + 1] - first, L = P.seq_lens[b];
   if (n <= 0) return;
-  const int64_t D = P.D, G = P.group, nq = n * G;
+  const int64_t D = P.D, G = P.group, nq = n * G, no = P.key_outliers;
   std::vector<float> acc(nq * D, 0.f), m(nq, kNegInf), l(nq, 0.f), z(nq, 0.f), key(D), val(D), qbuf(nq * D);
-  load_queries(P, first, n, h, qbuf.data());
+  std::vector<float> qorig(no ? nq * D : 0);
+  load_queries(P, first, n, h, qbuf.data(), P.rotate);
+  if (no) load_queries(P, first, n, h, qorig.data(), false);
+  int64_t out_index[kMaxOutliers];
+  float out_coef[kMaxOutliers];
+  const float mid = 0.5f * float((1 << P.value_bits) - 1);
   for (int64_t t = 0; t < L; ++t) {
     const uint8_t* slot = P.slot(b, h, t);
-    const float kf = decode_key_scalar(P, slot, key.data()) * P.scale;
-    const uint8_t* vcodes = slot + P.key_bytes;
-    const float mid = 0.5f * float((1 << P.value_bits) - 1);
-    for (int64_t d = 0; d < D; ++d) val[d] = float(code_at(vcodes, P.value_bits, d)) - mid;
-    const float vs = read_half(vcodes + P.value_code_bytes);
-    const float vz = read_half(vcodes + P.value_code_bytes + 2) + mid * vs;
+    const float nf = decode_key_scalar(P, slot, key.data());
+    const float kf = nf * P.scale;
+    for (int64_t o = 0; o < no; ++o) {  // outlier channel k: its value replaces nf (c H)_k
+      const uint8_t* at = slot + P.key_code_bytes + 2;
+      const int64_t k = at[o] & (D - 1);
+      const float* row = P.hadamard + k * D;
+      float ch = 0.f;
+      for (int64_t d = 0; d < D; ++d) ch += key[d] * row[d];
+      out_index[o] = k;
+      out_coef[o] = P.scale * (fp8_e4m3_to_float(at[no + o]) - nf * ch);
+    }
+    const uint8_t* vpart = slot + P.key_bytes;
+    float vs, vz;
+    if (P.value_lloyd_max) {
+      vs = lloyd_max_scalar(vpart, P.value_bits, P.value_wide, D, P.value_table, P.value_wide_table, true,
+                            val.data());
+      vz = 0.f;
+    } else {
+      for (int64_t d = 0; d < D; ++d) val[d] = float(code_at(vpart, P.value_bits, d)) - mid;
+      vs = read_half(vpart + P.value_code_bytes);
+      vz = read_half(vpart + P.value_code_bytes + 2) + mid * vs;
+    }
     for (int64_t j = 0; j < n; ++j) {
       if (t > L - n + j) continue;  // causal, bottom-right aligned
       for (int64_t g = 0; g < G; ++g) {
@@ -192,7 +260,8 @@ void task_scalar(const Problem& P, int64_t b, int64_t h) {
         const float* q = qbuf.data() + i * D;
         float dot = 0.f;
         for (int64_t d = 0; d < D; ++d) dot += q[d] * key[d];
-        const float s = dot * kf;
+        float s = dot * kf;
+        for (int64_t o = 0; o < no; ++o) s += qorig[i * D + out_index[o]] * out_coef[o];
         float* a = acc.data() + i * D;
         if (s > m[i]) {
           const float alpha = m[i] == kNegInf ? 0.f : std::exp(m[i] - s);
@@ -212,6 +281,7 @@ void task_scalar(const Problem& P, int64_t b, int64_t h) {
   for (int64_t i = 0; i < nq; ++i) {
     const float inv = l[i] > 0.f ? 1.f / l[i] : 0.f;
     for (int64_t d = 0; d < D; ++d) val[d] = (acc[i * D + d] + z[i]) * inv;
+    if (P.value_lloyd_max) rotate_in_place(val.data(), D, P.h_entry);
     store_output(P, first + i / G, h * G + i % G, val.data(), false);
   }
 }
@@ -257,13 +327,36 @@ TQKV_AVX2 inline float hmax(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-// Eight codes of BITS bits (3 or 4) starting at code 8 c, as int32 lanes.
+// Eight codes of BITS bits (2 to 8) starting at code 8 c, as int32 lanes. Up to 4 bits from one 32-bit word
+// (3-bit: its 4th byte is the next field's, 2-bit: the 3rd and 4th, shifted out; every code field is followed
+// by at least two bytes of its slot); wider codes from their BITS bytes.
 template <int BITS>
 TQKV_AVX2 inline __m256i codes8(const uint8_t* codes, int64_t c) {
-  uint32_t word;
-  std::memcpy(&word, codes + c * BITS, 4);  // 3-bit: the 4th byte is the next field's, shifted out
-  const __m256i shifts = _mm256_setr_epi32(0, BITS, 2 * BITS, 3 * BITS, 4 * BITS, 5 * BITS, 6 * BITS, 7 * BITS);
-  return _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(int(word)), shifts), _mm256_set1_epi32((1 << BITS) - 1));
+  const __m256i mask = _mm256_set1_epi32((1 << BITS) - 1);
+  if constexpr (BITS <= 4) {
+    uint32_t word;
+    std::memcpy(&word, codes + c * BITS, 4);
+    const __m256i shifts = _mm256_setr_epi32(0, BITS, 2 * BITS, 3 * BITS, 4 * BITS, 5 * BITS, 6 * BITS, 7 * BITS);
+    return _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(int(word)), shifts), mask);
+  } else {
+    static_assert(BITS <= 8, "codes8: at most 8 bits a code");
+    // the BITS bytes as two overlapping 32-bit loads combined in a register (a narrower copy through memory
+    // stalls the wide load that follows on store forwarding)
+    uint32_t low, high;
+    std::memcpy(&low, codes + c * BITS, 4);
+    std::memcpy(&high, codes + c * BITS + BITS - 4, 4);
+    const int64_t word = int64_t(uint64_t(low) | (uint64_t(high) << (8 * (BITS - 4))));
+    // lane k: the four bytes from byte BITS k / 8 (both 128-bit halves hold the word), shifted by BITS k % 8
+#define TQKV_LANE_BYTES(k) char(BITS * k / 8), char(BITS * k / 8 + 1), char(BITS * k / 8 + 2), char(BITS * k / 8 + 3)
+    const __m256i bytes = _mm256_setr_epi8(TQKV_LANE_BYTES(0), TQKV_LANE_BYTES(1), TQKV_LANE_BYTES(2),
+                                           TQKV_LANE_BYTES(3), TQKV_LANE_BYTES(4), TQKV_LANE_BYTES(5),
+                                           TQKV_LANE_BYTES(6), TQKV_LANE_BYTES(7));
+#undef TQKV_LANE_BYTES
+    const __m256i shifts = _mm256_setr_epi32(0, BITS % 8, 2 * BITS % 8, 3 * BITS % 8, 4 * BITS % 8, 5 * BITS % 8,
+                                             6 * BITS % 8, 7 * BITS % 8);
+    const __m256i x = _mm256_shuffle_epi8(_mm256_set1_epi64x(word), bytes);
+    return _mm256_and_si256(_mm256_srlv_epi32(x, shifts), mask);
+  }
 }
 
 TQKV_AVX2 inline __m256 fp8x8(const uint8_t* p) {
@@ -282,12 +375,38 @@ TQKV_AVX2 inline __m256 lookup16(__m256 lo, __m256 hi, __m256i idx) {
                           _mm256_castsi256_ps(_mm256_slli_epi32(idx, 28)));
 }
 
+// A table of 2^BITS entries (BITS <= 5) in registers of 8: lanes of idx -> table[idx].
+template <int BITS>
+TQKV_AVX2 inline __m256 lookup(const __m256* table, __m256i idx) {
+  if constexpr (BITS <= 3) {
+    return _mm256_permutevar8x32_ps(table[0], idx);
+  } else if constexpr (BITS == 4) {
+    return lookup16(table[0], table[1], idx);
+  } else {
+    return _mm256_blendv_ps(lookup16(table[0], table[1], idx), lookup16(table[2], table[3], idx),
+                            _mm256_castsi256_ps(_mm256_slli_epi32(idx, 27)));
+  }
+}
+
 // Lane r of the result: the sum of a_r's lanes.
 TQKV_AVX2 inline __m256 reduce8(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 a4, __m256 a5, __m256 a6,
                                 __m256 a7) {
   const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
   const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(a4, a5), _mm256_hadd_ps(a6, a7));
   return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+// factor[r] /= sqrt(sum of sumsq[8 r .. 8 r + 7] + 1e-16) for r < rows, 8 rows at a time (the norm correction;
+// sumsq holds 8 partial sums a row).
+TQKV_AVX2 inline void divide_by_norms(float* factor, const float* sumsq, int rows) {
+  for (int r = 0; r < rows; r += 8) {
+    const float* v = sumsq + 8 * r;
+    const __m256 norms = reduce8(_mm256_load_ps(v), _mm256_load_ps(v + 8), _mm256_load_ps(v + 16),
+                                 _mm256_load_ps(v + 24), _mm256_load_ps(v + 32), _mm256_load_ps(v + 40),
+                                 _mm256_load_ps(v + 48), _mm256_load_ps(v + 56));
+    _mm256_store_ps(factor + r, _mm256_div_ps(_mm256_load_ps(factor + r),
+                                              _mm256_sqrt_ps(_mm256_add_ps(norms, _mm256_set1_ps(1e-16f)))));
+  }
 }
 
 // Eight dot products <q, k_r> (k_r = keys + r D), as one vector (lane r).
@@ -309,35 +428,131 @@ TQKV_AVX2 inline __m256 dot8(const float* q, const float* keys) {
   return reduce8(a0, a1, a2, a3, a4, a5, a6, a7);
 }
 
+// A task's state: its query vectors, one tile of TP decoded positions, and the online softmax of every query
+// vector. The tile's keys [TP, D] (stored basis) with logit factors kf[TP] (scale times nf), its values
+// [TP, D] (centred codes, or centroids in the rotated basis) with factors vs[TP] and offsets vz[TP]; with key
+// outliers, their channels out_index[o TP + r] and logit terms out_coef[o TP + r] (scale (outlier - nf (c H)_k)).
+template <int D>
+struct TaskState {
+  static constexpr int TP = 2048 / D;  // positions a tile: 32 / 16 / 8
+  int64_t first, n, L, G, nq, outliers;
+  std::vector<float> queries, originals, keys, vals, acc, scores, m, l, z;
+  alignas(32) float kf[TP] = {}, vs[TP] = {}, vz[TP] = {}, w[TP] = {}, sumsq[8 * TP] = {}, vsumsq[8 * TP] = {};
+  alignas(32) int32_t out_index[kMaxOutliers * TP] = {};
+  alignas(32) float out_coef[kMaxOutliers * TP] = {};
+
+  TaskState(const Problem& P, int64_t b, int64_t h, int64_t outlier_channels)
+      : first(P.starts[b]), n(P.starts[b + 1] - first), L(P.seq_lens[b]), G(P.group),
+        nq(std::max<int64_t>(n, 0) * G), outliers(outlier_channels), queries(nq * D), originals(outliers ? nq * D : 0),
+        keys(TP * D, 0.f), vals(TP * D, 0.f), acc(nq * D, 0.f), scores(nq * TP, 0.f), m(nq, kNegInf), l(nq, 0.f),
+        z(nq, 0.f) {
+    if (nq == 0) return;
+    load_queries(P, first, n, h, queries.data(), P.rotate);
+    if (outliers) load_queries(P, first, n, h, originals.data(), false);
+  }
+};
+
+// The tile of positions t0 .. t0 + len - 1 against every query vector of the task: scores, then the online
+// softmax's update of m, l, z and acc = alpha acc + sum_r (p_r vs_r) vals_r.
+template <int D, bool OUTLIERS>
+TQKV_AVX2 inline void attend_tile(TaskState<D>& S, int64_t t0, int len) {
+  constexpr int TP = TaskState<D>::TP;
+  const __m256i iota = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  for (int64_t i = 0; i < S.nq; ++i) {
+    const int64_t j = i / S.G;
+    const int valid = int(std::min<int64_t>(len, S.L - S.n + j - t0 + 1));  // causal, bottom-right aligned
+    if (valid <= 0) continue;
+    float* s = S.scores.data() + i * TP;
+    const float* q = S.queries.data() + i * D;
+    for (int r = 0; r < TP; r += 8) {
+      __m256 sr = _mm256_mul_ps(dot8<D>(q, S.keys.data() + r * D), _mm256_load_ps(S.kf + r));
+      if constexpr (OUTLIERS) {
+        const float* orig = S.originals.data() + i * D;
+        for (int64_t o = 0; o < S.outliers; ++o) {
+          const __m256i k = _mm256_load_si256(reinterpret_cast<const __m256i*>(S.out_index + o * TP + r));
+          sr = _mm256_fmadd_ps(_mm256_i32gather_ps(orig, k, 4), _mm256_load_ps(S.out_coef + o * TP + r), sr);
+        }
+      }
+      _mm256_storeu_ps(s + r, sr);
+    }
+    __m256 mx = _mm256_set1_ps(kNegInf);
+    for (int r = 0; r < valid; r += 8) {
+      const __m256 keep = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(valid - r), iota));
+      mx = _mm256_max_ps(mx, _mm256_blendv_ps(_mm256_set1_ps(kNegInf), _mm256_loadu_ps(s + r), keep));
+    }
+    const float m_new = std::max(S.m[i], hmax(mx));
+    const float alpha = S.m[i] == kNegInf ? 0.f : std::exp(S.m[i] - m_new);
+    S.m[i] = m_new;
+    __m256 psum = _mm256_setzero_ps(), zsum = _mm256_setzero_ps();
+    for (int r = 0; r < valid; r += 8) {
+      const __m256 keep = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(valid - r), iota));
+      const __m256 p = _mm256_and_ps(exp256(_mm256_sub_ps(_mm256_loadu_ps(s + r), _mm256_set1_ps(m_new))), keep);
+      psum = _mm256_add_ps(psum, p);
+      zsum = _mm256_fmadd_ps(p, _mm256_load_ps(S.vz + r), zsum);
+      _mm256_store_ps(S.w + r, _mm256_mul_ps(p, _mm256_load_ps(S.vs + r)));
+    }
+    S.l[i] = S.l[i] * alpha + hsum(psum);
+    S.z[i] = S.z[i] * alpha + hsum(zsum);
+    // acc = alpha acc + sum_r w_r vals_r, 64 coordinates (8 registers) at a time
+    const __m256 va = _mm256_set1_ps(alpha);
+    for (int d0 = 0; d0 < D; d0 += 64) {
+      float* a = S.acc.data() + i * D + d0;
+      __m256 r0 = _mm256_mul_ps(va, _mm256_loadu_ps(a + 0)), r1 = _mm256_mul_ps(va, _mm256_loadu_ps(a + 8));
+      __m256 r2 = _mm256_mul_ps(va, _mm256_loadu_ps(a + 16)), r3 = _mm256_mul_ps(va, _mm256_loadu_ps(a + 24));
+      __m256 r4 = _mm256_mul_ps(va, _mm256_loadu_ps(a + 32)), r5 = _mm256_mul_ps(va, _mm256_loadu_ps(a + 40));
+      __m256 r6 = _mm256_mul_ps(va, _mm256_loadu_ps(a + 48)), r7 = _mm256_mul_ps(va, _mm256_loadu_ps(a + 56));
+      for (int r = 0; r < valid; ++r) {
+        const __m256 wr = _mm256_broadcast_ss(S.w + r);
+        const float* v = S.vals.data() + r * D + d0;
+        r0 = _mm256_fmadd_ps(wr, _mm256_loadu_ps(v + 0), r0);
+        r1 = _mm256_fmadd_ps(wr, _mm256_loadu_ps(v + 8), r1);
+        r2 = _mm256_fmadd_ps(wr, _mm256_loadu_ps(v + 16), r2);
+        r3 = _mm256_fmadd_ps(wr, _mm256_loadu_ps(v + 24), r3);
+        r4 = _mm256_fmadd_ps(wr, _mm256_loadu_ps(v + 32), r4);
+        r5 = _mm256_fmadd_ps(wr, _mm256_loadu_ps(v + 40), r5);
+        r6 = _mm256_fmadd_ps(wr, _mm256_loadu_ps(v + 48), r6);
+        r7 = _mm256_fmadd_ps(wr, _mm256_loadu_ps(v + 56), r7);
+      }
+      _mm256_storeu_ps(a + 0, r0), _mm256_storeu_ps(a + 8, r1), _mm256_storeu_ps(a + 16, r2);
+      _mm256_storeu_ps(a + 24, r3), _mm256_storeu_ps(a + 32, r4), _mm256_storeu_ps(a + 40, r5);
+      _mm256_storeu_ps(a + 48, r6), _mm256_storeu_ps(a + 56, r7);
+    }
+  }
+}
+
+// The task's outputs: (acc + z) / l per query vector, rotated back to the original basis for Lloyd-Max values,
+// put back in order from nibble order for vLLM's 4-bit values.
+template <int D>
+TQKV_AVX2 void store_outputs(const Problem& P, TaskState<D>& S, int64_t h, bool nibble_order, bool rotate_values) {
+  for (int64_t i = 0; i < S.nq; ++i) {
+    float* a = S.acc.data() + i * D;
+    const __m256 inv = _mm256_set1_ps(S.l[i] > 0.f ? 1.f / S.l[i] : 0.f), zi = _mm256_set1_ps(S.z[i]);
+    for (int c = 0; c < D; c += 8) _mm256_storeu_ps(a + c, _mm256_mul_ps(_mm256_add_ps(_mm256_loadu_ps(a + c), zi), inv));
+    if (rotate_values) rotate_in_place(a, D, P.h_entry);
+    store_output(P, S.first + i / S.G, h * S.G + i % S.G, a, nibble_order);
+  }
+}
+
+// vLLM's slot layouts: KK 8 (fp8), 4 or 3-bit keys, VB 4 or 3-bit uniform values, decoded slot by slot.
 template <int D, int KK, int VB>
 TQKV_AVX2 void task_avx2(const Problem& P, int64_t b, int64_t h) {
-  constexpr int TP = 2048 / D;  // positions a tile: 32 / 16 / 8
-  const int64_t first = P.starts[b], n = P.starts[b + 1] - first, L = P.seq_lens[b];
-  if (n <= 0) return;
-  const int64_t G = P.group, nq = n * G;
-  std::vector<float> keys(TP * D, 0.f), vals(TP * D, 0.f), acc(nq * D, 0.f), scores(nq * TP, 0.f);
-  std::vector<float> m(nq, kNegInf), l(nq, 0.f), z(nq, 0.f);
-  alignas(32) float kf[TP] = {}, vs[TP] = {}, vz[TP] = {}, w[TP] = {}, sumsq[8 * TP] = {};
-  const __m256 lo = _mm256_loadu_ps(P.table), hi = _mm256_loadu_ps(P.table + 8);
-  const __m256i iota = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  TaskState<D> S(P, b, h, 0);
+  if (S.nq == 0) return;
+  constexpr int TP = TaskState<D>::TP;
+  const __m256 lo = _mm256_loadu_ps(P.key_table), hi = _mm256_loadu_ps(P.key_table + 8);
   // 4-bit codes are decoded in nibble order (in each 16 coordinates the 8 even ones, then the 8 odd ones):
   // the query is permuted alike for 4-bit keys, the output put back in order for 4-bit values
-  std::vector<float> qbuf(nq * D);
-  load_queries(P, first, n, h, qbuf.data());
-  std::vector<const float*> qs(nq);
-  for (int64_t i = 0; i < nq; ++i) {
-    float* q = qbuf.data() + i * D;
-    if constexpr (KK == 4) {
+  if constexpr (KK == 4) {
+    for (int64_t i = 0; i < S.nq; ++i) {
+      float* q = S.queries.data() + i * D;
       float tmp[D];
       std::memcpy(tmp, q, sizeof(tmp));
       for (int c = 0; c < D; c += 16)
         for (int k = 0; k < 8; ++k) q[c + k] = tmp[c + 2 * k], q[c + 8 + k] = tmp[c + 2 * k + 1];
     }
-    qs[i] = q;
   }
-
-  for (int64_t t0 = 0; t0 < L; t0 += TP) {
-    const int len = int(std::min<int64_t>(TP, L - t0));
+  for (int64_t t0 = 0; t0 < S.L; t0 += TP) {
+    const int len = int(std::min<int64_t>(TP, S.L - t0));
     // decode the tile's slots once (the block's address looked up once a block: no division a slot)
     int64_t blk_index = t0 / P.block_size, in_block = t0 % P.block_size;
     const uint8_t* block = P.cache + int64_t(P.block_table[b * P.bt_stride + blk_index]) * P.s0 + h * P.s2;
@@ -347,10 +562,10 @@ TQKV_AVX2 void task_avx2(const Problem& P, int64_t b, int64_t h) {
         block = P.cache + int64_t(P.block_table[b * P.bt_stride + ++blk_index]) * P.s0 + h * P.s2;
       }
       const uint8_t* slot = block + in_block++ * P.s1;
-      float* k = keys.data() + r * D;
+      float* k = S.keys.data() + r * D;
       if constexpr (KK == 8) {
         for (int c = 0; c < D; c += 8) _mm256_storeu_ps(k + c, fp8x8(slot + c));
-        kf[r] = P.scale;
+        S.kf[r] = P.scale;
       } else {
         __m256 ss = _mm256_setzero_ps();
         if constexpr (KK == 4) {  // 8 bytes: 16 codes, even coordinates then odd ones (nibble order)
@@ -369,11 +584,11 @@ TQKV_AVX2 void task_avx2(const Problem& P, int64_t b, int64_t h) {
             ss = _mm256_fmadd_ps(v, v, ss);
           }
         }
-        _mm256_store_ps(sumsq + 8 * r, ss);  // reduced 8 slots at a time below
-        kf[r] = P.scale * half_f16c(slot + P.key_code_bytes);
+        _mm256_store_ps(S.sumsq + 8 * r, ss);  // reduced 8 slots at a time below
+        S.kf[r] = P.scale * half_f16c(slot + P.key_code_bytes);
       }
       const uint8_t* vcodes = slot + P.key_bytes;
-      float* v = vals.data() + r * D;
+      float* v = S.vals.data() + r * D;
       constexpr float mid = 0.5f * float((1 << VB) - 1);
       const __m256 vmid = _mm256_set1_ps(mid);
       if constexpr (VB == 4) {  // nibble order, as the keys'
@@ -386,85 +601,167 @@ TQKV_AVX2 void task_avx2(const Problem& P, int64_t b, int64_t h) {
         for (int c = 0; c < D / 8; ++c)
           _mm256_storeu_ps(v + 8 * c, _mm256_sub_ps(_mm256_cvtepi32_ps(codes8<VB>(vcodes, c)), vmid));
       }
-      vs[r] = half_f16c(vcodes + P.value_code_bytes);
-      vz[r] = half_f16c(vcodes + P.value_code_bytes + 2) + mid * vs[r];
+      S.vs[r] = half_f16c(vcodes + P.value_code_bytes);
+      S.vz[r] = half_f16c(vcodes + P.value_code_bytes + 2) + mid * S.vs[r];
     }
     if constexpr (KK != 8) {
-      if (P.norm_correction) {  // kf /= ||c||, 8 slots at a time
-        for (int r = 0; r < len; r += 8) {
-          const float* v = sumsq + 8 * r;
-          const __m256 norms = reduce8(_mm256_load_ps(v), _mm256_load_ps(v + 8), _mm256_load_ps(v + 16),
-                                       _mm256_load_ps(v + 24), _mm256_load_ps(v + 32), _mm256_load_ps(v + 40),
-                                       _mm256_load_ps(v + 48), _mm256_load_ps(v + 56));
-          _mm256_store_ps(kf + r, _mm256_div_ps(_mm256_load_ps(kf + r),
-                                                _mm256_sqrt_ps(_mm256_add_ps(norms, _mm256_set1_ps(1e-16f)))));
+      if (P.norm_correction) divide_by_norms(S.kf, S.sumsq, len);  // kf /= ||c||
+    }
+    attend_tile<D, false>(S, t0, len);
+  }
+  store_outputs(P, S, h, VB == 4, false);
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// The general path: any slot layout (codec.py), a tile decoded field by field (slots[r]: position t0 + r's).
+
+// Centroids of `count` codes of BITS bits at byte `at` of each of `rows` slots into dst + r D, their squares
+// added to sumsq[8 r .. 8 r + 7].
+template <int D, int BITS>
+TQKV_AVX2 void centroid_rows(const uint8_t* const* slots, int rows, int64_t at, int64_t count, const float* table,
+                             float* dst, float* sumsq) {
+  const __m256 t[4] = {_mm256_loadu_ps(table), _mm256_loadu_ps(table + 8), _mm256_loadu_ps(table + 16),
+                       _mm256_loadu_ps(table + 24)};
+  for (int r = 0; r < rows; ++r) {
+    const uint8_t* codes = slots[r] + at;
+    float* out = dst + r * D;
+    __m256 ss = _mm256_load_ps(sumsq + 8 * r);
+    for (int64_t c = 0; c < count / 8; ++c) {
+      const __m256 v = lookup<BITS>(t, codes8<BITS>(codes, c));
+      _mm256_storeu_ps(out + 8 * c, v);
+      ss = _mm256_fmadd_ps(v, v, ss);
+    }
+    _mm256_store_ps(sumsq + 8 * r, ss);
+  }
+}
+
+template <int D>
+TQKV_AVX2 void centroid_rows_any(int bits, const uint8_t* const* slots, int rows, int64_t at, int64_t count,
+                                 const float* table, float* dst, float* sumsq) {
+  switch (bits) {
+    case 2: return centroid_rows<D, 2>(slots, rows, at, count, table, dst, sumsq);
+    case 3: return centroid_rows<D, 3>(slots, rows, at, count, table, dst, sumsq);
+    case 4: return centroid_rows<D, 4>(slots, rows, at, count, table, dst, sumsq);
+    default: return centroid_rows<D, 5>(slots, rows, at, count, table, dst, sumsq);
+  }
+}
+
+// Uniform value codes of BITS bits at byte `at` of each of `rows` slots, centred (code - (2^BITS - 1) / 2),
+// into dst + r D.
+template <int D, int BITS>
+TQKV_AVX2 void centred_code_rows(const uint8_t* const* slots, int rows, int64_t at, float* dst) {
+  const __m256 mid = _mm256_set1_ps(0.5f * float((1 << BITS) - 1));
+  for (int r = 0; r < rows; ++r)
+    for (int c = 0; c < D / 8; ++c)
+      _mm256_storeu_ps(dst + r * D + 8 * c, _mm256_sub_ps(_mm256_cvtepi32_ps(codes8<BITS>(slots[r] + at, c)), mid));
+}
+
+template <int D>
+TQKV_AVX2 void centred_code_rows_any(int bits, const uint8_t* const* slots, int rows, int64_t at, float* dst) {
+  switch (bits) {
+    case 2: return centred_code_rows<D, 2>(slots, rows, at, dst);
+    case 3: return centred_code_rows<D, 3>(slots, rows, at, dst);
+    case 4: return centred_code_rows<D, 4>(slots, rows, at, dst);
+    default: return centred_code_rows<D, 5>(slots, rows, at, dst);
+  }
+}
+
+// Lane i: (c_i H)_{k_i}, c_i = keys + i D in the rotated basis, k_i = channel[i]: key i's coordinate k_i in the
+// original basis (without its norm), from H's row k_i.
+template <int D>
+TQKV_AVX2 inline __m256 original_coordinates8(const float* keys, const int32_t* channel, const float* hadamard) {
+  const float* h0 = hadamard + channel[0] * D, *h1 = hadamard + channel[1] * D, *h2 = hadamard + channel[2] * D;
+  const float* h3 = hadamard + channel[3] * D, *h4 = hadamard + channel[4] * D, *h5 = hadamard + channel[5] * D;
+  const float* h6 = hadamard + channel[6] * D, *h7 = hadamard + channel[7] * D;
+  __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+  for (int c = 0; c < D; c += 8) {
+    a0 = _mm256_fmadd_ps(_mm256_loadu_ps(keys + 0 * D + c), _mm256_loadu_ps(h0 + c), a0);
+    a1 = _mm256_fmadd_ps(_mm256_loadu_ps(keys + 1 * D + c), _mm256_loadu_ps(h1 + c), a1);
+    a2 = _mm256_fmadd_ps(_mm256_loadu_ps(keys + 2 * D + c), _mm256_loadu_ps(h2 + c), a2);
+    a3 = _mm256_fmadd_ps(_mm256_loadu_ps(keys + 3 * D + c), _mm256_loadu_ps(h3 + c), a3);
+    a4 = _mm256_fmadd_ps(_mm256_loadu_ps(keys + 4 * D + c), _mm256_loadu_ps(h4 + c), a4);
+    a5 = _mm256_fmadd_ps(_mm256_loadu_ps(keys + 5 * D + c), _mm256_loadu_ps(h5 + c), a5);
+    a6 = _mm256_fmadd_ps(_mm256_loadu_ps(keys + 6 * D + c), _mm256_loadu_ps(h6 + c), a6);
+    a7 = _mm256_fmadd_ps(_mm256_loadu_ps(keys + 7 * D + c), _mm256_loadu_ps(h7 + c), a7);
+  }
+  return reduce8(a0, a1, a2, a3, a4, a5, a6, a7);
+}
+
+template <int D, bool OUTLIERS>
+TQKV_AVX2 void task_avx2_general(const Problem& P, int64_t b, int64_t h) {
+  TaskState<D> S(P, b, h, OUTLIERS ? P.key_outliers : 0);
+  if (S.nq == 0) return;
+  constexpr int TP = TaskState<D>::TP;
+  const uint8_t* slots[TP];
+  const int kb = P.key_kind, vb = P.value_bits;
+  const int64_t kw = P.key_wide, vw = P.value_wide, no = S.outliers;
+  for (int64_t t0 = 0; t0 < S.L; t0 += TP) {
+    const int len = int(std::min<int64_t>(TP, S.L - t0));
+    int64_t blk_index = t0 / P.block_size, in_block = t0 % P.block_size;
+    const uint8_t* block = P.cache + int64_t(P.block_table[b * P.bt_stride + blk_index]) * P.s0 + h * P.s2;
+    for (int r = 0; r < len; ++r) {
+      if (in_block == P.block_size) {
+        in_block = 0;
+        block = P.cache + int64_t(P.block_table[b * P.bt_stride + ++blk_index]) * P.s0 + h * P.s2;
+      }
+      slots[r] = block + in_block++ * P.s1;
+    }
+    if (kb == 8) {
+      for (int r = 0; r < len; ++r) {
+        for (int c = 0; c < D; c += 8) _mm256_storeu_ps(S.keys.data() + r * D + c, fp8x8(slots[r] + c));
+        S.kf[r] = P.scale;
+      }
+    } else {
+      std::fill(S.sumsq, S.sumsq + 8 * TP, 0.f);
+      if (kw) centroid_rows_any<D>(kb + 1, slots, len, 0, kw, P.key_wide_table, S.keys.data(), S.sumsq);
+      centroid_rows_any<D>(kb, slots, len, kw * (kb + 1) / 8, D - kw, P.key_table, S.keys.data() + kw, S.sumsq);
+      for (int r = 0; r < len; ++r) S.kf[r] = P.scale * half_f16c(slots[r] + P.key_code_bytes);
+      if (P.norm_correction) divide_by_norms(S.kf, S.sumsq, len);
+    }
+    if constexpr (OUTLIERS) {  // channel k's stored value replaces nf (c H)_k (kf = scale nf), 8 slots at a time
+      for (int r = 0; r < len; r += 8) {
+        for (int64_t o = 0; o < no; ++o) {
+          int32_t* channel = S.out_index + o * TP + r;
+          alignas(32) float stored[8];
+          for (int i = 0; i < 8; ++i) {  // rows past the tile: channel 0, value 0 (their scores are masked)
+            const uint8_t* at = r + i < len ? slots[r + i] + P.key_code_bytes + 2 : nullptr;
+            channel[i] = at ? at[o] & (D - 1) : 0;
+            stored[i] = at ? fp8_e4m3_to_float(at[no + o]) : 0.f;
+          }
+          const __m256 ch = original_coordinates8<D>(S.keys.data() + r * D, channel, P.hadamard);
+          _mm256_store_ps(S.out_coef + o * TP + r, _mm256_fnmadd_ps(_mm256_load_ps(S.kf + r), ch,
+                                                                    _mm256_mul_ps(_mm256_set1_ps(P.scale),
+                                                                                  _mm256_load_ps(stored))));
         }
       }
     }
-    // every query vector of the task against the tile
-    for (int64_t i = 0; i < nq; ++i) {
-      const int64_t j = i / G;
-      const int valid = int(std::min<int64_t>(len, L - n + j - t0 + 1));  // causal, bottom-right aligned
-      if (valid <= 0) continue;
-      float* s = scores.data() + i * TP;
-      for (int r = 0; r < TP; r += 8)
-        _mm256_storeu_ps(s + r, _mm256_mul_ps(dot8<D>(qs[i], keys.data() + r * D), _mm256_load_ps(kf + r)));
-      __m256 mx = _mm256_set1_ps(kNegInf);
-      for (int r = 0; r < valid; r += 8) {
-        const __m256 keep = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(valid - r), iota));
-        mx = _mm256_max_ps(mx, _mm256_blendv_ps(_mm256_set1_ps(kNegInf), _mm256_loadu_ps(s + r), keep));
-      }
-      const float m_new = std::max(m[i], hmax(mx));
-      const float alpha = m[i] == kNegInf ? 0.f : std::exp(m[i] - m_new);
-      m[i] = m_new;
-      __m256 psum = _mm256_setzero_ps(), zsum = _mm256_setzero_ps();
-      for (int r = 0; r < valid; r += 8) {
-        const __m256 keep = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(valid - r), iota));
-        const __m256 p = _mm256_and_ps(exp256(_mm256_sub_ps(_mm256_loadu_ps(s + r), _mm256_set1_ps(m_new))), keep);
-        psum = _mm256_add_ps(psum, p);
-        zsum = _mm256_fmadd_ps(p, _mm256_load_ps(vz + r), zsum);
-        _mm256_store_ps(w + r, _mm256_mul_ps(p, _mm256_load_ps(vs + r)));
-      }
-      l[i] = l[i] * alpha + hsum(psum);
-      z[i] = z[i] * alpha + hsum(zsum);
-      // acc = alpha acc + sum_r w_r codes_r, 64 coordinates (8 registers) at a time
-      const __m256 va = _mm256_set1_ps(alpha);
-      for (int d0 = 0; d0 < D; d0 += 64) {
-        float* a = acc.data() + i * D + d0;
-        __m256 r0 = _mm256_mul_ps(va, _mm256_loadu_ps(a + 0)), r1 = _mm256_mul_ps(va, _mm256_loadu_ps(a + 8));
-        __m256 r2 = _mm256_mul_ps(va, _mm256_loadu_ps(a + 16)), r3 = _mm256_mul_ps(va, _mm256_loadu_ps(a + 24));
-        __m256 r4 = _mm256_mul_ps(va, _mm256_loadu_ps(a + 32)), r5 = _mm256_mul_ps(va, _mm256_loadu_ps(a + 40));
-        __m256 r6 = _mm256_mul_ps(va, _mm256_loadu_ps(a + 48)), r7 = _mm256_mul_ps(va, _mm256_loadu_ps(a + 56));
-        for (int r = 0; r < valid; ++r) {
-          const __m256 wr = _mm256_broadcast_ss(w + r);
-          const float* v = vals.data() + r * D + d0;
-          r0 = _mm256_fmadd_ps(wr, _mm256_loadu_ps(v + 0), r0);
-          r1 = _mm256_fmadd_ps(wr, _mm256_loadu_ps(v + 8), r1);
-          r2 = _mm256_fmadd_ps(wr, _mm256_loadu_ps(v + 16), r2);
-          r3 = _mm256_fmadd_ps(wr, _mm256_loadu_ps(v + 24), r3);
-          r4 = _mm256_fmadd_ps(wr, _mm256_loadu_ps(v + 32), r4);
-          r5 = _mm256_fmadd_ps(wr, _mm256_loadu_ps(v + 40), r5);
-          r6 = _mm256_fmadd_ps(wr, _mm256_loadu_ps(v + 48), r6);
-          r7 = _mm256_fmadd_ps(wr, _mm256_loadu_ps(v + 56), r7);
-        }
-        _mm256_storeu_ps(a + 0, r0), _mm256_storeu_ps(a + 8, r1), _mm256_storeu_ps(a + 16, r2);
-        _mm256_storeu_ps(a + 24, r3), _mm256_storeu_ps(a + 32, r4), _mm256_storeu_ps(a + 40, r5);
-        _mm256_storeu_ps(a + 48, r6), _mm256_storeu_ps(a + 56, r7);
+    const int64_t vat = P.key_bytes;
+    if (P.value_lloyd_max) {
+      std::fill(S.vsumsq, S.vsumsq + 8 * TP, 0.f);
+      if (vw) centroid_rows_any<D>(vb + 1, slots, len, vat, vw, P.value_wide_table, S.vals.data(), S.vsumsq);
+      centroid_rows_any<D>(vb, slots, len, vat + vw * (vb + 1) / 8, D - vw, P.value_table, S.vals.data() + vw,
+                           S.vsumsq);
+      for (int r = 0; r < len; ++r) S.vs[r] = half_f16c(slots[r] + vat + P.value_code_bytes);
+      divide_by_norms(S.vs, S.vsumsq, len);  // values are always norm-corrected; vz stays 0
+    } else {
+      centred_code_rows_any<D>(vb, slots, len, vat, S.vals.data());
+      const float mid = 0.5f * float((1 << vb) - 1);
+      for (int r = 0; r < len; ++r) {
+        S.vs[r] = half_f16c(slots[r] + vat + P.value_code_bytes);
+        S.vz[r] = half_f16c(slots[r] + vat + P.value_code_bytes + 2) + mid * S.vs[r];
       }
     }
+    attend_tile<D, OUTLIERS>(S, t0, len);
   }
-  for (int64_t i = 0; i < nq; ++i) {
-    float* a = acc.data() + i * D;
-    const __m256 inv = _mm256_set1_ps(l[i] > 0.f ? 1.f / l[i] : 0.f), zi = _mm256_set1_ps(z[i]);
-    for (int c = 0; c < D; c += 8) _mm256_storeu_ps(a + c, _mm256_mul_ps(_mm256_add_ps(_mm256_loadu_ps(a + c), zi), inv));
-    store_output(P, first + i / G, h * G + i % G, a, VB == 4);
-  }
+  store_outputs(P, S, h, false, P.value_lloyd_max);
 }
 
 using Task = void (*)(const Problem&, int64_t, int64_t);
 
 template <int D>
-Task pick_avx2_for(int key_kind, int value_bits) {
+Task pick_avx2_for(const Problem& P, bool vllm_layout) {
+  if (!vllm_layout) return P.key_outliers ? task_avx2_general<D, true> : task_avx2_general<D, false>;
+  const int key_kind = P.key_kind, value_bits = P.value_bits;
   if (value_bits == 4) {
     if (key_kind == 8) return task_avx2<D, 8, 4>;
     if (key_kind == 4) return task_avx2<D, 4, 4>;
@@ -477,10 +774,10 @@ Task pick_avx2_for(int key_kind, int value_bits) {
   return nullptr;
 }
 
-Task pick_avx2(int64_t D, int key_kind, int value_bits) {
-  if (D == 64) return pick_avx2_for<64>(key_kind, value_bits);
-  if (D == 128) return pick_avx2_for<128>(key_kind, value_bits);
-  if (D == 256) return pick_avx2_for<256>(key_kind, value_bits);
+Task pick_avx2(const Problem& P, bool vllm_layout) {
+  if (P.D == 64) return pick_avx2_for<64>(P, vllm_layout);
+  if (P.D == 128) return pick_avx2_for<128>(P, vllm_layout);
+  if (P.D == 256) return pick_avx2_for<256>(P, vllm_layout);
   return nullptr;
 }
 
@@ -495,32 +792,47 @@ bool cpu_has_avx2() { return false; }
 // ---------------------------------------------------------------------------------------------------------
 
 void decode_attention(const at::Tensor& query, const at::Tensor& cache, const at::Tensor& block_table,
-                      const at::Tensor& seq_lens, const at::Tensor& starts, const at::Tensor& table, at::Tensor out,
-                      double scale, int64_t key_kind, int64_t value_bits, bool norm_correction,
-                      int64_t key_code_bytes, int64_t key_bytes, int64_t value_code_bytes, bool vectorized) {
+                      const at::Tensor& seq_lens, const at::Tensor& starts, const at::Tensor& tables,
+                      const at::Tensor& hadamard, at::Tensor out,
+                      double scale, int64_t key_kind, int64_t key_wide, int64_t key_outliers, bool norm_correction,
+                      int64_t value_bits, int64_t value_wide, bool value_lloyd_max, int64_t key_code_bytes,
+                      int64_t key_bytes, int64_t value_code_bytes, int64_t slot_bytes, bool vectorized) {
   TORCH_CHECK(query.device().is_cpu() && query.dim() == 3 && (query.size(2) <= 1 || query.stride(2) == 1),
               "query: [T, Hq, D] on the CPU, its last dimension contiguous");
   const auto qt = query.scalar_type();
   TORCH_CHECK(qt == at::kFloat || qt == at::kBFloat16 || qt == at::kHalf, "query: fp32, bf16 or fp16");
   TORCH_CHECK(out.scalar_type() == qt && out.sizes() == query.sizes() && (out.size(2) <= 1 || out.stride(2) == 1),
               "out: the query's dtype and shape, its last dimension contiguous");
-  TORCH_CHECK(cache.scalar_type() == at::kByte && cache.dim() == 4 && cache.stride(3) == 1,
+  TORCH_CHECK(cache.scalar_type() == at::kByte && cache.dim() == 4 && cache.stride(3) == 1 &&
+                  cache.size(3) >= slot_bytes,
               "kv_cache: uint8 [num_blocks, block_size, Hk, slot_bytes] with contiguous slots");
   TORCH_CHECK(block_table.scalar_type() == at::kInt && block_table.is_contiguous() && block_table.dim() == 2,
               "block_table: int32 [B, M] contiguous");
   TORCH_CHECK(seq_lens.scalar_type() == at::kLong && starts.scalar_type() == at::kLong && seq_lens.is_contiguous() &&
                   starts.is_contiguous() && starts.numel() == seq_lens.numel() + 1,
               "seq_lens, starts: int64 [B], [B + 1]");
-  TORCH_CHECK(table.scalar_type() == at::kFloat && table.is_contiguous() && table.numel() <= 16, "table: fp32 [<= 16]");
-  TORCH_CHECK(key_kind == 8 || key_kind == 3 || key_kind == 4, "key_kind: 8 (fp8), 3 or 4");
-  TORCH_CHECK(value_bits == 3 || value_bits == 4, "value_bits: 3 or 4");
+  TORCH_CHECK(tables.scalar_type() == at::kFloat && tables.is_contiguous() && tables.numel() == 4 * 32,
+              "tables: fp32 [4, 32]");
+  const int64_t D = query.size(2);
+  TORCH_CHECK(hadamard.scalar_type() == at::kFloat && hadamard.is_contiguous() && hadamard.numel() == D * D,
+              "hadamard: fp32 [D, D] contiguous");
+  TORCH_CHECK(D >= 8 && D <= 256 && (D & (D - 1)) == 0, "head size: a power of two from 8 to 256");
+  const bool lloyd_max_keys = key_kind != 8;
+  TORCH_CHECK(key_kind == 8 || (key_kind >= 2 && key_kind + (key_wide ? 1 : 0) <= 5),
+              "key_kind: 8 (fp8), or Lloyd-Max codes of 2 to 5 bits (the wide coordinates' included)");
+  TORCH_CHECK(value_bits >= 2 && value_bits + (value_wide ? 1 : 0) <= 5, "value_bits: 2 to 5 (the wide ones' included)");
+  TORCH_CHECK(key_wide % 8 == 0 && key_wide >= 0 && key_wide <= D && (lloyd_max_keys || !key_wide) &&
+                  value_wide % 8 == 0 && value_wide >= 0 && value_wide <= D && (value_lloyd_max || !value_wide),
+              "wide coordinates: a multiple of 8, Lloyd-Max fields only");
+  TORCH_CHECK(key_outliers >= 0 && key_outliers <= kMaxOutliers && (lloyd_max_keys || !key_outliers),
+              "key_outliers: at most 4, Lloyd-Max keys only");
   Problem P{};
   P.q = query.data_ptr();
   P.out = out.data_ptr();
   P.qtype = qt == at::kBFloat16 ? kBF16 : qt == at::kHalf ? kF16 : kF32;
   P.q_st = query.stride(0), P.q_sh = query.stride(1), P.o_st = out.stride(0), P.o_sh = out.stride(1);
-  P.rotate = key_kind != 8;
-  P.h_entry = float(1.0 / std::sqrt(double(query.size(2))));
+  P.rotate = lloyd_max_keys;
+  P.h_entry = float(1.0 / std::sqrt(double(D)));
   P.cache = cache.data_ptr<uint8_t>();
   P.s0 = cache.stride(0), P.s1 = cache.stride(1), P.s2 = cache.stride(2);
   P.block_size = cache.size(1);
@@ -528,20 +840,28 @@ void decode_attention(const at::Tensor& query, const at::Tensor& cache, const at
   P.bt_stride = block_table.size(1);
   P.seq_lens = seq_lens.data_ptr<int64_t>();
   P.starts = starts.data_ptr<int64_t>();
-  P.Hq = query.size(1), P.Hk = cache.size(2), P.D = query.size(2);
+  P.Hq = query.size(1), P.Hk = cache.size(2), P.D = D;
   TORCH_CHECK(P.Hq % P.Hk == 0, "query heads: a multiple of the cache's kv heads");
   P.group = P.Hq / P.Hk;
-  TORCH_CHECK(P.D <= 256 && (P.D & (P.D - 1)) == 0, "head size: a power of two <= 256");
   P.scale = float(scale);
-  std::fill(P.table, P.table + 16, 0.f);
-  std::memcpy(P.table, table.data_ptr<float>(), table.numel() * sizeof(float));
-  P.key_kind = int(key_kind), P.value_bits = int(value_bits), P.norm_correction = norm_correction;
+  const float* t = tables.data_ptr<float>();
+  std::memcpy(P.key_table, t, 32 * sizeof(float));
+  std::memcpy(P.key_wide_table, t + 32, 32 * sizeof(float));
+  std::memcpy(P.value_table, t + 64, 32 * sizeof(float));
+  std::memcpy(P.value_wide_table, t + 96, 32 * sizeof(float));
+  P.hadamard = hadamard.data_ptr<float>();
+  P.key_kind = int(key_kind), P.key_wide = key_wide, P.key_outliers = int(key_outliers);
+  P.norm_correction = norm_correction;
+  P.value_bits = int(value_bits), P.value_wide = value_wide, P.value_lloyd_max = value_lloyd_max;
   P.key_code_bytes = key_code_bytes, P.key_bytes = key_bytes, P.value_code_bytes = value_code_bytes;
+  P.slot_bytes = slot_bytes;
 
   void (*task)(const Problem&, int64_t, int64_t) = task_scalar;
 #ifdef TQKV_X86
   if (vectorized && cpu_has_avx2()) {
-    if (auto picked = pick_avx2(P.D, P.key_kind, P.value_bits)) task = picked;
+    const bool vllm_layout = !value_lloyd_max && !key_wide && !value_wide && !key_outliers &&
+                             (key_kind == 8 || key_kind == 3 || key_kind == 4) && (value_bits == 3 || value_bits == 4);
+    if (auto picked = pick_avx2(P, vllm_layout)) task = picked;
   }
 #endif
   const int64_t batch = seq_lens.numel(), Hk = P.Hk;
@@ -665,8 +985,9 @@ void kv_write(const at::Tensor& key, const at::Tensor& value, at::Tensor cache, 
 
 TORCH_LIBRARY(tqkv_cpu, m) {
   m.def("decode_attention(Tensor query, Tensor kv_cache, Tensor block_table, Tensor seq_lens, Tensor starts, "
-        "Tensor table, Tensor(a!) out, float scale, int key_kind, int value_bits, bool norm_correction, "
-        "int key_code_bytes, int key_bytes, int value_code_bytes, bool vectorized) -> ()");
+        "Tensor tables, Tensor hadamard, Tensor(a!) out, float scale, int key_kind, int key_wide, int key_outliers, "
+        "bool norm_correction, int value_bits, int value_wide, bool value_lloyd_max, int key_code_bytes, "
+        "int key_bytes, int value_code_bytes, int slot_bytes, bool vectorized) -> ()");
   m.impl("decode_attention", c10::DispatchKey::CPU, TORCH_FN(decode_attention));
   m.def("has_avx2() -> bool", TORCH_FN(has_avx2));
   m.def("kv_write(Tensor key, Tensor value, Tensor(a!) kv_cache, Tensor slot_mapping, Tensor midpoints, "
