@@ -147,7 +147,7 @@ def _cpu_backend() -> Finding:
         return Finding("cpu backend", "pytorch, decode through PyTorch ops: the native kernel could not be built",
                        "install a C++ compiler (g++) and ninja, then run again")
     isa = "AVX2 + FMA" if cpu_kernel.has_avx2() else "portable C++ (no AVX2 on this CPU: ~8x slower)"
-    return Finding("cpu backend", f"pytorch with the native decode kernel ({isa}) for vLLM's presets")
+    return Finding("cpu backend", f"pytorch with the native decode kernel ({isa}) for every preset")
 
 
 def main(argv: list[str] | None = None) -> int:

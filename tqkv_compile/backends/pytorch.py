@@ -12,9 +12,10 @@ rotated query to the query's dtype), same bytes written. It serves any device: o
 where the Triton backend is not (no triton, or a preset its kernels do not read), with SDPA there too.
 
 On the CPU the decode rows (one or a few new tokens a sequence) go through a native kernel that reads the packed
-slots in place (:mod:`tqkv_compile.backends.cpu_kernel`, vLLM's slot layouts), and a decode step's kv_write
-(a few vectors) is encoded there too; the reference's attention (every cached position decoded to fp32, then
-matmuls) and encode serve the other presets and devices, and wherever the kernel cannot be built.
+slots in place (:mod:`tqkv_compile.backends.cpu_kernel`, every preset), and a decode step's kv_write (a few
+vectors) is encoded there too for vLLM's slot layouts; the reference's attention (every cached position decoded
+to fp32, then matmuls) serves other devices and wherever the kernel cannot be built, its encode the other
+presets' writes.
 """
 
 from __future__ import annotations
@@ -26,9 +27,9 @@ from tqkv_compile.codec import Preset
 
 class PyTorchBackend(ReferenceBackend):
     """The reference's kv_dot; its attention routed by :func:`prefill.serve`, the decode rows through the native CPU
-    kernel (:mod:`tqkv_compile.backends.cpu_kernel`) where it serves (CPU tensors, vLLM's slot layouts, a compiler
-    at first use, ``TQKV_CPU_KERNEL`` not 0), else the reference's attention; kv_write of a few vectors (decode
-    steps) through the kernel's encode there too, else the reference's."""
+    kernel (:mod:`tqkv_compile.backends.cpu_kernel`) where it serves (CPU tensors, a compiler at first use,
+    ``TQKV_CPU_KERNEL`` not 0), else the reference's attention; kv_write of a few vectors (decode steps) of vLLM's
+    slot layouts through the kernel's encode there too, else the reference's."""
 
     name = "pytorch"
 
