@@ -616,16 +616,16 @@ TQKV_AVX2 void task_avx2(const Problem& P, int64_t b, int64_t h) {
 // The general path: any slot layout (codec.py), a tile decoded field by field (slots[r]: position t0 + r's).
 
 // Centroids of `count` codes of BITS bits at byte `at` of each of `rows` slots into dst + r D, their squares
-// added to sumsq[8 r .. 8 r + 7].
+// into sumsq[8 r .. 8 r + 7] (added to it where `accumulate`: a field's second group of codes).
 template <int D, int BITS>
 TQKV_AVX2 void centroid_rows(const uint8_t* const* slots, int rows, int64_t at, int64_t count, const float* table,
-                             float* dst, float* sumsq) {
+                             float* dst, float* sumsq, bool accumulate) {
   const __m256 t[4] = {_mm256_loadu_ps(table), _mm256_loadu_ps(table + 8), _mm256_loadu_ps(table + 16),
                        _mm256_loadu_ps(table + 24)};
   for (int r = 0; r < rows; ++r) {
     const uint8_t* codes = slots[r] + at;
     float* out = dst + r * D;
-    __m256 ss = _mm256_load_ps(sumsq + 8 * r);
+    __m256 ss = accumulate ? _mm256_load_ps(sumsq + 8 * r) : _mm256_setzero_ps();
     for (int64_t c = 0; c < count / 8; ++c) {
       const __m256 v = lookup<BITS>(t, codes8<BITS>(codes, c));
       _mm256_storeu_ps(out + 8 * c, v);
@@ -637,12 +637,12 @@ TQKV_AVX2 void centroid_rows(const uint8_t* const* slots, int rows, int64_t at, 
 
 template <int D>
 TQKV_AVX2 void centroid_rows_any(int bits, const uint8_t* const* slots, int rows, int64_t at, int64_t count,
-                                 const float* table, float* dst, float* sumsq) {
+                                 const float* table, float* dst, float* sumsq, bool accumulate) {
   switch (bits) {
-    case 2: return centroid_rows<D, 2>(slots, rows, at, count, table, dst, sumsq);
-    case 3: return centroid_rows<D, 3>(slots, rows, at, count, table, dst, sumsq);
-    case 4: return centroid_rows<D, 4>(slots, rows, at, count, table, dst, sumsq);
-    default: return centroid_rows<D, 5>(slots, rows, at, count, table, dst, sumsq);
+    case 2: return centroid_rows<D, 2>(slots, rows, at, count, table, dst, sumsq, accumulate);
+    case 3: return centroid_rows<D, 3>(slots, rows, at, count, table, dst, sumsq, accumulate);
+    case 4: return centroid_rows<D, 4>(slots, rows, at, count, table, dst, sumsq, accumulate);
+    default: return centroid_rows<D, 5>(slots, rows, at, count, table, dst, sumsq, accumulate);
   }
 }
 
@@ -712,9 +712,9 @@ TQKV_AVX2 void task_avx2_general(const Problem& P, int64_t b, int64_t h) {
         S.kf[r] = P.scale;
       }
     } else {
-      std::fill(S.sumsq, S.sumsq + 8 * TP, 0.f);
-      if (kw) centroid_rows_any<D>(kb + 1, slots, len, 0, kw, P.key_wide_table, S.keys.data(), S.sumsq);
-      centroid_rows_any<D>(kb, slots, len, kw * (kb + 1) / 8, D - kw, P.key_table, S.keys.data() + kw, S.sumsq);
+      if (kw) centroid_rows_any<D>(kb + 1, slots, len, 0, kw, P.key_wide_table, S.keys.data(), S.sumsq, false);
+      centroid_rows_any<D>(kb, slots, len, kw * (kb + 1) / 8, D - kw, P.key_table, S.keys.data() + kw, S.sumsq,
+                           kw != 0);
       for (int r = 0; r < len; ++r) S.kf[r] = P.scale * half_f16c(slots[r] + P.key_code_bytes);
       if (P.norm_correction) divide_by_norms(S.kf, S.sumsq, len);
     }
@@ -737,10 +737,9 @@ TQKV_AVX2 void task_avx2_general(const Problem& P, int64_t b, int64_t h) {
     }
     const int64_t vat = P.key_bytes;
     if (P.value_lloyd_max) {
-      std::fill(S.vsumsq, S.vsumsq + 8 * TP, 0.f);
-      if (vw) centroid_rows_any<D>(vb + 1, slots, len, vat, vw, P.value_wide_table, S.vals.data(), S.vsumsq);
+      if (vw) centroid_rows_any<D>(vb + 1, slots, len, vat, vw, P.value_wide_table, S.vals.data(), S.vsumsq, false);
       centroid_rows_any<D>(vb, slots, len, vat + vw * (vb + 1) / 8, D - vw, P.value_table, S.vals.data() + vw,
-                           S.vsumsq);
+                           S.vsumsq, vw != 0);
       for (int r = 0; r < len; ++r) S.vs[r] = half_f16c(slots[r] + vat + P.value_code_bytes);
       divide_by_norms(S.vs, S.vsumsq, len);  // values are always norm-corrected; vz stays 0
     } else {
