@@ -14,8 +14,7 @@ time said once on stderr. Where no compiler works, one line says so and the PyTo
 Its decode serves every preset of codec.py at head sizes 64, 128 and 256 (:func:`supports_preset`): vLLM's slot
 layouts (``Preset.vllm_layout``) through code specialised by key and value width, the others (5-bit keys, key
 outlier channels, Lloyd-Max values with wide coordinates: ``tqkv_k5v3``, ``tqkv_k4o1v225``) through a path that
-decodes any field widths. Its encode (:func:`serves_write`) serves vLLM's slot layouts; other presets are
-written by the PyTorch encode.
+decodes any field widths. Its encode (:func:`kv_write`) writes every one of those layouts too.
 """
 
 from __future__ import annotations
@@ -155,14 +154,12 @@ def attention(query, kv_cache, block_table, seq_lens, query_start_loc, scale, pr
 
 
 class Tables(NamedTuple):
-    """A preset's tables, fp32 and contiguous: ``decode`` [4, 32], the Lloyd-Max centroids of the keys' codes, of
-    their wide coordinates' codes, of the values' codes and of their wide coordinates' codes, zero-padded (rows
-    of fields the preset lacks are zeros); ``key_centroids`` [2^b] and ``key_midpoints`` [2^b - 1] for the
-    encode (both empty for fp8 keys)."""
+    """A preset's Lloyd-Max tables, fp32, contiguous and zero-padded, for its four code fields (the keys' codes,
+    their wide coordinates' codes, the values' codes, their wide coordinates' codes; a field the preset lacks is
+    zeros): ``decode`` [4, 32] the centroids, ``encode`` [4, 2, 64] the centroids and the midpoints."""
 
     decode: torch.Tensor
-    key_centroids: torch.Tensor
-    key_midpoints: torch.Tensor
+    encode: torch.Tensor
 
 
 _tables_made: dict[tuple[str, int], Tables] = {}
@@ -174,18 +171,16 @@ def _tables(preset: Preset) -> Tables:
     k = (preset.name, preset.head_dim)
     if k not in _tables_made:
         decode = torch.zeros(4, 32, dtype=torch.float32)
+        encode = torch.zeros(4, 2, 64, dtype=torch.float32)
         dim = preset.head_dim
         fields = [] if preset.key_fp8 else [(0, preset.key_bits, True), (1, preset.key_bits + 1, preset.key_wide_coords)]
         if preset.value_lloyd_max:
             fields += [(2, preset.value_bits, True), (3, preset.value_bits + 1, preset.value_wide_coords)]
         for row, bits, present in fields:
             if present and bits <= MAX_CODE_BITS:
-                decode[row, : 1 << bits] = lloyd_max.centroids(dim, bits)
-        if preset.key_fp8:
-            centroids = midpoints = torch.zeros(0)
-        else:
-            centroids, midpoints = preset.centroids().float().contiguous(), preset.midpoints().float().contiguous()
-        _tables_made[k] = Tables(decode, centroids, midpoints)
+                decode[row, : 1 << bits] = encode[row, 0, : 1 << bits] = lloyd_max.centroids(dim, bits)
+                encode[row, 1, : (1 << bits) - 1] = lloyd_max.midpoints(dim, bits)
+        _tables_made[k] = Tables(decode, encode)
     return _tables_made[k]
 
 
@@ -195,9 +190,8 @@ WRITE_MAX_VECTORS = 1024
 
 
 def serves_write(preset: Preset, key: torch.Tensor, kv_cache: torch.Tensor) -> bool:
-    """Whether :func:`kv_write` serves this call: CPU tensors, vLLM's slot layouts, a few vectors, the kernel on."""
-    return (key.device.type == "cpu" and kv_cache.device.type == "cpu" and preset.vllm_layout
-            and supports_preset(preset)
+    """Whether :func:`kv_write` serves this call: CPU tensors, a supported preset, a few vectors, the kernel on."""
+    return (key.device.type == "cpu" and kv_cache.device.type == "cpu" and supports_preset(preset)
             and key.shape[0] * key.shape[1] <= WRITE_MAX_VECTORS and kv_cache.stride(3) == 1 and enabled()
             and load())
 
@@ -206,15 +200,16 @@ def kv_write(key, value, kv_cache, slot_mapping, preset: Preset) -> None:
     """``ReferenceBackend.kv_write``'s contract through the kernel: key, value [T, Hk, D] (fp32 / bf16 / fp16)
     encoded into the slots ``slot_mapping`` (int [T], negative: skipped) of the cache view. The codec's bytes;
     a code may differ where a rotated coordinate lies within float rounding of a midpoint (the rotation's sums
-    are fp64 here, fp32 in torch's matmul)."""
-    if not preset.vllm_layout:
-        raise ValueError(f"{preset.name}: the kernel's encode writes vLLM's slot layouts only")
+    are fp64 here, fp32 in torch's matmul), and key outlier channels of equal magnitude may be chosen or ordered
+    otherwise than torch.topk's own order among equal values (the largest first, then the lowest channel)."""
+    if not supports_preset(preset):
+        raise ValueError(f"{preset.name}: a slot layout the kernel does not read or write (supports_preset)")
     if not load():
         raise RuntimeError("the CPU decode kernel is not available (see the [tqkv] line above)")
     key = key if key.stride(-1) == 1 else key.contiguous()
     value = value.to(key.dtype) if value.stride(-1) == 1 else value.to(key.dtype).contiguous()
-    tables = _tables(preset)
     torch.ops.tqkv_cpu.kv_write(
-        key, value, kv_cache, slot_mapping.to(torch.int64).contiguous(), tables.key_midpoints, tables.key_centroids,
-        8 if preset.key_fp8 else preset.key_bits, preset.value_bits, preset.norm_at_write, preset.key_code_bytes,
-        preset.key_bytes, preset.value_code_bytes, preset.slot_bytes)
+        key, value, kv_cache, slot_mapping.to(torch.int64).contiguous(), _tables(preset).encode,
+        8 if preset.key_fp8 else preset.key_bits, preset.key_wide_coords, preset.key_outliers, preset.norm_at_write,
+        preset.value_bits, preset.value_wide_coords, preset.value_lloyd_max, preset.key_code_bytes, preset.key_bytes,
+        preset.value_code_bytes, preset.slot_bytes)

@@ -13,9 +13,8 @@ where the Triton backend is not (no triton, or a preset its kernels do not read)
 
 On the CPU the decode rows (one or a few new tokens a sequence) go through a native kernel that reads the packed
 slots in place (:mod:`tqkv_compile.backends.cpu_kernel`, every preset), and a decode step's kv_write (a few
-vectors) is encoded there too for vLLM's slot layouts; the reference's attention (every cached position decoded
-to fp32, then matmuls) serves other devices and wherever the kernel cannot be built, its encode the other
-presets' writes.
+vectors) is encoded there too; the reference's attention (every cached position decoded to fp32, then matmuls)
+and encode serve other devices and wherever the kernel cannot be built.
 """
 
 from __future__ import annotations
@@ -28,8 +27,8 @@ from tqkv_compile.codec import Preset
 class PyTorchBackend(ReferenceBackend):
     """The reference's kv_dot; its attention routed by :func:`prefill.serve`, the decode rows through the native CPU
     kernel (:mod:`tqkv_compile.backends.cpu_kernel`) where it serves (CPU tensors, a compiler at first use,
-    ``TQKV_CPU_KERNEL`` not 0), else the reference's attention; kv_write of a few vectors (decode steps) of vLLM's
-    slot layouts through the kernel's encode there too, else the reference's."""
+    ``TQKV_CPU_KERNEL`` not 0), else the reference's attention; kv_write of a few vectors (decode steps) through
+    the kernel's encode there too, else the reference's."""
 
     name = "pytorch"
 

@@ -40,7 +40,8 @@
 // layouts AVX2 decoding a tile field by field (lookups from up to four registers of 8 centroids; the outliers'
 // (c H)_k from H's rows, 8 slots at a time); and portable scalar C++ for every layout.
 //
-// A second op, torch.ops.tqkv_cpu.kv_write, encodes a decode step's few tokens (see kv_write below).
+// A second op, torch.ops.tqkv_cpu.kv_write, encodes a decode step's few tokens, any of these layouts (see
+// kv_write below).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -883,32 +884,42 @@ bool has_avx2() { return cpu_has_avx2(); }
 // then rounded, so a code may differ from torch's (its own fp32 sums) only where the rotated coordinate sits
 // within float rounding of a midpoint.
 
-void encode_lloyd_max(const float* x, int64_t D, int bits, const float* midpoints, const float* centroids,
-                      float hadamard_entry, bool norm_at_write, uint8_t* dst, int64_t code_bytes) {
+// A Lloyd-Max field's tables: centroids and midpoints of its b-bit codes and of its wide coordinates' b + 1.
+struct FieldTables {
+  const float *centroids, *midpoints, *wide_centroids, *wide_midpoints;
+};
+
+inline void put_code(uint8_t* codes, int64_t bit, int code) {
+  const uint32_t shifted = uint32_t(code) << (bit & 7);
+  codes[bit >> 3] |= uint8_t(shifted & 0xff);
+  if (shifted >> 8) codes[(bit >> 3) + 1] |= uint8_t(shifted >> 8);
+}
+
+// codec's _encode_lloyd_max: the codes of the rotated unit vector (the first `wide` coordinates at bits + 1, then
+// the rest at bits, each group packed from its first byte) and ||x|| as fp16 (norm_at_write: ||x|| / ||c||).
+void encode_lloyd_max(const float* x, int64_t D, int bits, int64_t wide, const FieldTables& t, float hadamard_entry,
+                      bool norm_at_write, uint8_t* dst, int64_t code_bytes) {
   double sq = 0.0;
   for (int64_t d = 0; d < D; ++d) sq += double(x[d]) * double(x[d]);
   const float norm = float(std::sqrt(sq));
   const float denom = norm + 1e-8f;
   double y[256];
   for (int64_t d = 0; d < D; ++d) y[d] = double(x[d] / denom);  // fp32 division, as torch's
-  for (int64_t len = 1; len < D; len <<= 1)  // Sylvester order: y @ signs
-    for (int64_t i = 0; i < D; i += 2 * len)
-      for (int64_t j = i; j < i + len; ++j) {
-        const double a = y[j], b = y[j + len];
-        y[j] = a + b, y[j + len] = a - b;
-      }
-  const int levels = 1 << bits;
+  walsh_hadamard(y, D);
   std::memset(dst, 0, code_bytes);
+  uint8_t* narrow = dst + wide * (bits + 1) / 8;
   double csq = 0.0;
   for (int64_t d = 0; d < D; ++d) {
     const float r = float(y[d] * double(hadamard_entry));
+    const bool is_wide = d < wide;
+    const float* mid = is_wide ? t.wide_midpoints : t.midpoints;
+    const int levels = 1 << (is_wide ? bits + 1 : bits);
     int code = 0;
-    for (int i = 0; i < levels - 1; ++i) code += midpoints[i] <= r;  // bucketize(right=True): midpoints <= r
-    const int64_t bit = d * bits;
-    const uint32_t shifted = uint32_t(code) << (bit & 7);
-    dst[bit >> 3] |= uint8_t(shifted & 0xff);
-    if (shifted >> 8) dst[(bit >> 3) + 1] |= uint8_t(shifted >> 8);
-    csq += double(centroids[code]) * double(centroids[code]);
+    for (int i = 0; i < levels - 1; ++i) code += mid[i] <= r;  // bucketize(right=True): midpoints <= r
+    if (is_wide) put_code(dst, d * (bits + 1), code);
+    else put_code(narrow, (d - wide) * bits, code);
+    const double c = (is_wide ? t.wide_centroids : t.centroids)[code];
+    csq += c * c;
   }
   float stored = norm;
   if (norm_at_write) stored = norm / std::sqrt(float(csq) + 1e-16f);
@@ -916,27 +927,52 @@ void encode_lloyd_max(const float* x, int64_t D, int bits, const float* midpoint
   std::memcpy(dst + code_bytes, &half, 2);
 }
 
+// codec's _split_outliers: the n largest-magnitude channels of x[D] (largest first, as topk; among equal
+// magnitudes the lowest channel first, where topk keeps an order of its own) stored as uint8 indices then fp8
+// values at dst, and zeroed in x.
+void split_outliers(float* x, int64_t D, int64_t n, uint8_t* dst) {
+  for (int64_t o = 0; o < n; ++o) {
+    int64_t top = -1;
+    for (int64_t d = 0; d < D; ++d) {
+      bool taken = false;
+      for (int64_t p = 0; p < o; ++p) taken |= dst[p] == d;
+      if (!taken && (top < 0 || std::abs(x[d]) > std::abs(x[top]))) top = d;
+    }
+    dst[o] = uint8_t(top);
+    dst[n + o] = c10::Float8_e4m3fn(std::min(std::max(x[top], -448.f), 448.f)).x;
+  }
+  for (int64_t o = 0; o < n; ++o) x[dst[o]] = 0.f;
+}
+
 void kv_write(const at::Tensor& key, const at::Tensor& value, at::Tensor cache, const at::Tensor& slot_mapping,
-              const at::Tensor& midpoints, const at::Tensor& centroids, int64_t key_kind, int64_t value_bits,
-              bool norm_at_write, int64_t key_code_bytes, int64_t key_bytes, int64_t value_code_bytes,
-              int64_t slot_bytes) {
+              const at::Tensor& tables, int64_t key_kind, int64_t key_wide, int64_t key_outliers, bool norm_at_write,
+              int64_t value_bits, int64_t value_wide, bool value_lloyd_max, int64_t key_code_bytes, int64_t key_bytes,
+              int64_t value_code_bytes, int64_t slot_bytes) {
   const auto kt = key.scalar_type();
   TORCH_CHECK((kt == at::kFloat || kt == at::kBFloat16 || kt == at::kHalf) && value.scalar_type() == kt &&
                   key.dim() == 3 && key.sizes() == value.sizes() && key.stride(2) == 1 && value.stride(2) == 1,
               "key, value: fp32 / bf16 / fp16 [T, Hk, D] of one dtype, their last dimension contiguous");
   const int qtype = kt == at::kBFloat16 ? kBF16 : kt == at::kHalf ? kF16 : kF32;
-  TORCH_CHECK(cache.scalar_type() == at::kByte && cache.dim() == 4 && cache.stride(3) == 1, "kv_cache: uint8, slots contiguous");
+  TORCH_CHECK(cache.scalar_type() == at::kByte && cache.dim() == 4 && cache.stride(3) == 1 && cache.size(3) >= slot_bytes,
+              "kv_cache: uint8, slots contiguous");
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous(), "slot_mapping: int64");
+  TORCH_CHECK(tables.scalar_type() == at::kFloat && tables.is_contiguous() && tables.numel() == 4 * 2 * 64,
+              "tables: fp32 [4, 2, 64]");
   const int64_t T = key.size(0), Hk = key.size(1), D = key.size(2);
   TORCH_CHECK(D <= 256 && (D & (D - 1)) == 0, "head size: a power of two <= 256");
+  TORCH_CHECK(key_kind == 8 || (key_kind >= 1 && key_kind + (key_wide ? 1 : 0) <= 6), "key_kind: 8 (fp8) or <= 6 bits");
+  TORCH_CHECK(value_bits >= 1 && value_bits + (value_wide ? 1 : 0) <= 6, "value_bits: <= 6 bits");
+  TORCH_CHECK(key_outliers >= 0 && key_outliers <= kMaxOutliers && (key_kind != 8 || !key_outliers),
+              "key_outliers: at most 4, Lloyd-Max keys only");
   const void* k = key.data_ptr();
   const void* v = value.data_ptr();
   const int64_t k_st = key.stride(0), k_sh = key.stride(1), v_st = value.stride(0), v_sh = value.stride(1);
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
   uint8_t* base = cache.data_ptr<uint8_t>();
   const int64_t s0 = cache.stride(0), s1 = cache.stride(1), s2 = cache.stride(2), bs = cache.size(1);
-  const float* mid = midpoints.data_ptr<float>();
-  const float* cen = centroids.data_ptr<float>();
+  const float* tab = tables.data_ptr<float>();  // [field][centroids, midpoints][64]
+  const FieldTables key_tables{tab, tab + 64, tab + 128, tab + 192};
+  const FieldTables value_tables{tab + 256, tab + 320, tab + 384, tab + 448};
   const float h_entry = float(1.0 / std::sqrt(double(D)));  // hadamard(): fp32 1 / sqrt(D)
   const int top = (1 << value_bits) - 1;
   at::parallel_for(0, T * Hk, 16, [&](int64_t begin, int64_t end) {
@@ -955,22 +991,24 @@ void kv_write(const at::Tensor& key, const at::Tensor& value, at::Tensor cache, 
           dst[d] = c10::Float8_e4m3fn(c).x;
         }
       } else {
-        encode_lloyd_max(x, D, int(key_kind), mid, cen, h_entry, norm_at_write, dst, key_code_bytes);
+        if (key_outliers) split_outliers(x, D, key_outliers, dst + key_code_bytes + 2);
+        encode_lloyd_max(x, D, int(key_kind), key_wide, key_tables, h_entry, norm_at_write, dst, key_code_bytes);
       }
-      // values: q = trunc((v - min) / scale + 0.5), scale = max((max - min) / top, 1e-8), then scale, min
+      uint8_t* vdst = dst + key_bytes;
+      if (value_lloyd_max) {
+        encode_lloyd_max(y, D, int(value_bits), value_wide, value_tables, h_entry, false, vdst, value_code_bytes);
+        for (int64_t pad = key_bytes + value_code_bytes + 2; pad < slot_bytes; ++pad) dst[pad] = 0;
+        continue;
+      }
+      // uniform values: q = trunc((v - min) / scale + 0.5), scale = max((max - min) / top, 1e-8), then scale, min
       float low = y[0], high = y[0];
       for (int64_t d = 1; d < D; ++d) low = std::min(low, y[d]), high = std::max(high, y[d]);
       float scale = (high - low) / float(top);
       if (!(scale > 1e-8f)) scale = 1e-8f;
-      uint8_t* vdst = dst + key_bytes;
       std::memset(vdst, 0, value_code_bytes);
       for (int64_t d = 0; d < D; ++d) {
         int code = int((y[d] - low) / scale + 0.5f);
-        code = std::min(std::max(code, 0), top);
-        const int64_t bit = d * value_bits;
-        const uint32_t shifted = uint32_t(code) << (bit & 7);
-        vdst[bit >> 3] |= uint8_t(shifted & 0xff);
-        if (shifted >> 8) vdst[(bit >> 3) + 1] |= uint8_t(shifted >> 8);
+        put_code(vdst, d * value_bits, std::min(std::max(code, 0), top));
       }
       const uint16_t sh = c10::Half(scale).x, lh = c10::Half(low).x;
       std::memcpy(vdst + value_code_bytes, &sh, 2);
@@ -982,6 +1020,7 @@ void kv_write(const at::Tensor& key, const at::Tensor& value, at::Tensor cache, 
 
 }  // namespace
 
+
 TORCH_LIBRARY(tqkv_cpu, m) {
   m.def("decode_attention(Tensor query, Tensor kv_cache, Tensor block_table, Tensor seq_lens, Tensor starts, "
         "Tensor tables, Tensor hadamard, Tensor(a!) out, float scale, int key_kind, int key_wide, int key_outliers, "
@@ -989,8 +1028,8 @@ TORCH_LIBRARY(tqkv_cpu, m) {
         "int key_bytes, int value_code_bytes, int slot_bytes, bool vectorized) -> ()");
   m.impl("decode_attention", c10::DispatchKey::CPU, TORCH_FN(decode_attention));
   m.def("has_avx2() -> bool", TORCH_FN(has_avx2));
-  m.def("kv_write(Tensor key, Tensor value, Tensor(a!) kv_cache, Tensor slot_mapping, Tensor midpoints, "
-        "Tensor centroids, int key_kind, int value_bits, bool norm_at_write, int key_code_bytes, int key_bytes, "
-        "int value_code_bytes, int slot_bytes) -> ()");
+  m.def("kv_write(Tensor key, Tensor value, Tensor(a!) kv_cache, Tensor slot_mapping, Tensor tables, int key_kind, "
+        "int key_wide, int key_outliers, bool norm_at_write, int value_bits, int value_wide, bool value_lloyd_max, "
+        "int key_code_bytes, int key_bytes, int value_code_bytes, int slot_bytes) -> ()");
   m.impl("kv_write", c10::DispatchKey::CPU, TORCH_FN(kv_write));
 }
