@@ -2,11 +2,11 @@
 
 For each (shape, case) of :mod:`tqkv_compile.bench_shapes` (``--cells all``: every one) and each preset: the
 default launch, the same launch with every row cut into the shapes' split count (kernel ``fixed``:
-``length_aware=False``, the launcher before length-aware splits), then the stream and fragment kernels at each
+``length_aware=False``) and with each row's count from the batch's lengths in a widened grid (``aware``), then the stream and fragment kernels at each
 split count of ``--splits`` (counts that give more than ``--max-programs`` programs an SM, or fewer tiles than
 splits, are skipped; ``--kernels ""``: none). Timed as ``tqkv bench kernels --shapes`` times (CUDA-graph replay,
 cold L2). One JSON line a launch, and the list in ``--out`` (rewritten after every cell): ``{"shape", "case",
-"preset", "kernel", "splits", "rows_per_program", "us"}`` (kernels ``default`` and ``fixed`` with splits null:
+"preset", "kernel", "splits", "rows_per_program", "us"}`` (kernels ``default``, ``fixed``, ``aware`` with splits null:
 the launcher's own choice). ``--variants '{"NAME": {decode_attention keywords}}'``: more named launches
 (kernel NAME), e.g. a register cap.
 
@@ -64,7 +64,8 @@ def main(argv: list[str]) -> int:
             q = torch.randn(rows, hq, dim, dtype=torch.bfloat16, device="cuda")
             rotation, centroids, _ = backend.tables(p, q.device)
             tiles = math.ceil(max(case.lens) / 64)
-            launches = [("default", None, None), ("fixed", None, None)] + [(v, None, None) for v in variants]
+            launches = [("default", None, None), ("fixed", None, None), ("aware", None, None)] + \
+                [(v, None, None) for v in variants]
             for kernel in filter(None, args.kernels.split(",")):
                 if kernel == "fragments" and gluon_decode.supports(p, cache, hq // hk, q.device) is not None:
                     continue
@@ -74,7 +75,8 @@ def main(argv: list[str]) -> int:
                     launches += [(kernel, s, packed) for s in map(int, args.splits.split(","))
                                  if s <= tiles and math.ceil(rows / packed) * hk * s <= args.max_programs * sms]
             for kernel, splits, packed in launches:
-                kw = {"default": {}, "fixed": dict(length_aware=False), **variants}.get(
+                kw = {"default": {}, "fixed": dict(length_aware=False), "aware": dict(length_aware=True),
+                      **variants}.get(
                     kernel, dict(kernel=kernel, splits=splits, rows_per_program=packed))
                 rec = dict(shape=shape, case=case_name, preset=name, kernel=kernel, splits=splits,
                            rows_per_program=packed)

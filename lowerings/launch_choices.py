@@ -164,17 +164,13 @@ def stream_block_n(preset: Preset, kernel: str, rows: int, kv_heads: int, max_le
     return 128 if preset.key_fp8 and programs >= 2 * sm_count(device) else 64
 
 
-def stream_maxnreg(dim: int, columns: int = 8) -> int:
-    """The stream kernel's register cap for ``columns`` (its BLOCK_H: query heads x rows a program, padded): 128 up
-    to head 128 at 8 columns (4 programs an SM without spills; faster than 168: docs/performance-history.md), 168
-    at head 256, where 128 spills ~0.5 KB a thread (sm_90a compile; not timed). Rows packed into 16 and 32
-    columns hold a [D, columns] accumulator: at head 128, triton 3.6's sm_90a code spills 432 bytes a thread at
-    16 columns under 128 registers (8 under 192, 40 under 168) and 520 at 32 columns under 168 (20 under 255),
-    so 16 columns take 192 and 32 take 255 (3 and 2 programs an SM; head 256: 255). Without a hand prefetch
-    (the default: the registers it holds cost more than it hides)."""
-    if columns <= 8:
-        return 128 if dim <= 128 else 168
-    return 192 if columns <= 16 and dim <= 128 else 255
+def stream_maxnreg(dim: int) -> int:
+    """The stream kernel's register cap: 128 up to head 128 (4 programs an SM without spills at 8 columns;
+    faster than 168: docs/performance-history.md), 168 at head 256, where 128 spills ~0.5 KB a thread (sm_90a
+    compile; not timed). Rows packed into 16 or 32 columns spill under it (432 / 520 bytes a thread at head 128;
+    docs/performance-history.md has the caps that would not, untimed). Without a hand prefetch (the default: the
+    registers it holds cost more than it hides)."""
+    return 128 if dim <= 128 else 168
 
 
 def query_in_stream_kernel(preset: Preset, dtype: torch.dtype, interpret: bool) -> bool:

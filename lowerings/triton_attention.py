@@ -1009,7 +1009,7 @@ def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: t
                      index32: bool | None = None, signs: torch.Tensor | None = None,
                      query_in_kernel: bool | None = None, launch=None,
                      out: torch.Tensor | None = None, key_table: int | None = None,
-                     rows_per_program: int | None = None, length_aware: bool | None = None) -> torch.Tensor:
+                     rows_per_program: int | None = None, length_aware: bool = False) -> torch.Tensor:
     """query [T, Hq, D] -> out [T, Hq, D] (query dtype); see the module docstring and ops.attention.
     ``kernel``: "stream" or "bytes" (default: :func:`default_kernel`); the other keywords are tuning
     knobs (the measured best by default). ``lut``: the stream kernel's key lookup table (default:
@@ -1031,8 +1031,8 @@ def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: t
     :func:`packed_rows`, which also makes the launcher take the stream kernel where it is above 1; the
     other kernels serve one row a program). ``length_aware``: the stream and fragment kernels cut each row
     block's context into a split count from the batch's lengths (:func:`launch_choices.row_splits`; at most
-    ``splits``, the grid's); default where ``splits`` is not given (then the grid is
-    :func:`launch_choices.split_grid`'s); False: every row into ``splits``."""
+    ``splits``, the grid's, :func:`launch_choices.split_grid`'s where ``splits`` is not given); False (the
+    default until it is timed on a GPU: docs/performance-history.md): every row into ``splits``."""
     require_vllm_layout(preset)
     if launch is None:
         launch = _plain_launch
@@ -1076,10 +1076,8 @@ def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: t
     if block_n is None:
         block_n = stream_block_n(preset, kernel, rows, kv_heads, max_len, query.device)
     if kernel == "stream" and not interpret:
-        maxnreg = maxnreg or stream_maxnreg(dim, max(8, triton.next_power_of_2(group * packed)))
+        maxnreg = maxnreg or stream_maxnreg(dim)
     occupancy = programs_per_sm(maxnreg, num_warps or 4) if kernel != "bytes" and maxnreg else None
-    if length_aware is None:
-        length_aware = splits is None
     length_aware = length_aware and kernel != "bytes"
     if splits is None:
         most = 256 if kernel == "stream" else 128
