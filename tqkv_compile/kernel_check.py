@@ -3,8 +3,9 @@
 ``tqkv bench kernels --check`` runs this on a GPU: every preset (vLLM's and ours), heads 64 / 128 / 256, query-head
 groups 1..8, one and two kv heads, one sequence of 131072 positions, a ragged batch spanning 1..65536 positions,
 1..8 query rows a sequence, a continuation chunk (the dense prefill path), flat and peaked attention; for each,
-every kernel that can serve it (the stream, byte and fragment kernels for vLLM's layouts, the general kernel
-for ours), the backend's own routing (``launcher``) and ``kv_dot``. A case passes at ``l2_rel <= 1%`` and
+every kernel that can serve it (the stream, byte and fragment kernels for vLLM's layouts, the stream and
+fragment kernels with length-aware splits too, the general kernel for ours), the backend's own routing
+(``launcher``) and ``kv_dot``. A case passes at ``l2_rel <= 1%`` and
 ``max_rel <= 2%``. The groups rotate over the (preset, head size) pairs so that every kernel meets every group
 without the full product (each group is a separate compile).
 
@@ -60,6 +61,9 @@ def _kernels(backend, preset, kv_cache, group: int) -> dict:
     for name in names:
         runs[name] = (lambda kernel: lambda q, bt, sl, qsl, s: decode_attention(
             q, kv_cache, bt, sl, qsl, s, preset, rotation, centroids, kernel=kernel))(name)
+        if name != "bytes":  # each row's split count from the batch's lengths (not the default yet)
+            runs[f"{name}-length-aware"] = (lambda kernel: lambda q, bt, sl, qsl, s: decode_attention(
+                q, kv_cache, bt, sl, qsl, s, preset, rotation, centroids, kernel=kernel, length_aware=True))(name)
     return runs
 
 
