@@ -44,6 +44,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="activation dtype; on the CPU fp32 by default because in bf16 vLLM's own compiled and eager "
                         "runs already diverge on random weights (no tqkv involved), which would hide what the check "
                         "tests; on CUDA bf16 (vLLM's TurboQuant backend takes fp16 / bf16 only)")
+    p.add_argument("--timed-pairs", type=positive_int, default=5,
+                   help="each run's decode speed is the median of this many timed generate calls (default "
+                        "%(default)s; the machine's noise is ~1.5x a call on 2 cores)")
     p.add_argument("--json", action="store_true", help="print one JSON object on one line")
     p.add_argument("--no-baseline", action="store_true",
                    help="skip the run with vLLM's uncompressed cache (the activation dtype)")
@@ -71,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
     longest = args.prompt_len + 7 * (args.prompts - 1) + args.new_tokens
     common = ["--kv-cache-dtype", args.kv_cache_dtype, "--dtype", args.dtype, "--prompts", str(args.prompts),
               "--prompt-len", str(args.prompt_len), "--new-tokens", str(args.new_tokens),
-              "--max-model-len", str(max(512, -(-longest // 16) * 16))]
+              "--max-model-len", str(max(512, -(-longest // 16) * 16)), "--timed-pairs", str(args.timed_pairs)]
     log_dir = tempfile.mkdtemp(prefix="tqkv-demo-")
     steps = 2 if args.no_baseline else 3
     _say(f"model {model}, cache {args.kv_cache_dtype}, {args.dtype} activations; {steps} vLLM runs, about a "
@@ -109,6 +112,7 @@ def run(args: argparse.Namespace) -> int:
         "decode_tok_s_compiled": compiled["decode_tok_s"],
         "decode_tok_s_eager": eager["decode_tok_s"],
         "start_s_compiled": compiled["start_s"],
+        "timed_pairs": args.timed_pairs,
     }
     if plain is not None:
         same_plain, diff_plain, agree_plain = compare_logprobs(compiled, plain)
@@ -158,7 +162,9 @@ def _print_summary(s: dict) -> None:
     print(capacity)
     line = f"Decode tokens/s: compiled {s['decode_tok_s_compiled']}, eager {s['decode_tok_s_eager']}"
     if "decode_tok_s_uncompressed" in s:
-        line += f", uncompressed cache (vLLM) {s['decode_tok_s_uncompressed']}"
+        line += (f", uncompressed cache (vLLM) {s['decode_tok_s_uncompressed']} (compiled tqkv at "
+                 f"{s['decode_tok_s_compiled'] / max(s['decode_tok_s_uncompressed'], 1e-9):.2f}x)")
+    line += f"; each the median of {s['timed_pairs']} timed generate calls"
     print(line)
 
 
