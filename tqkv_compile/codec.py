@@ -34,6 +34,7 @@ never read or written).
 
 from __future__ import annotations
 
+import functools
 import math
 import operator
 from dataclasses import dataclass
@@ -182,16 +183,16 @@ class Preset:
     def value_lloyd_max(self) -> bool:
         return self.spec.value_format == "lloyd_max"
 
-    @property
+    @functools.cached_property
     def key_wide_coords(self) -> int:
         """Leading rotated key coordinates stored with key_bits + 1 bits."""
         return _wide_coords(self.head_dim, self.spec.key_extra_bits)
 
-    @property
+    @functools.cached_property
     def value_wide_coords(self) -> int:
         return _wide_coords(self.head_dim, self.spec.value_extra_bits)
 
-    @property
+    @functools.cached_property
     def key_code_bytes(self) -> int:
         """Bytes of packed key codes (fp8: one byte per coordinate)."""
         if self.key_fp8:
@@ -202,19 +203,19 @@ class Preset:
     def key_outliers(self) -> int:
         return self.spec.key_outliers
 
-    @property
+    @functools.cached_property
     def key_bytes(self) -> int:
         return self.key_code_bytes + (0 if self.key_fp8 else 2 + 2 * self.key_outliers)
 
-    @property
+    @functools.cached_property
     def value_code_bytes(self) -> int:
         return math.ceil((self.head_dim * self.value_bits + self.value_wide_coords) / 8)
 
-    @property
+    @functools.cached_property
     def value_bytes(self) -> int:
         return self.value_code_bytes + (2 if self.value_lloyd_max else 4)
 
-    @property
+    @functools.cached_property
     def slot_bytes(self) -> int:
         size = self.key_bytes + self.value_bytes
         return size + size % 2

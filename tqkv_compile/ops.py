@@ -88,12 +88,12 @@ def check_kv_write(key, value, kv_cache, slot_mapping, preset: str) -> Preset:
     return p
 
 
-def _check_blocks(kv_cache, block_table, seq_lens) -> None:
+def _check_blocks(kv_cache, block_table, seq_lens, check_values: bool = True) -> None:
     _check_index("block_table", block_table, 2)
     _check_index("seq_lens", seq_lens, 1)
     if seq_lens.shape[0] != block_table.shape[0]:
         raise ValueError(f"seq_lens: expected {block_table.shape[0]} entries (block_table rows), got {seq_lens.shape[0]}")
-    if not seq_lens.numel() or not _value_checks_enabled(seq_lens):
+    if not check_values or not seq_lens.numel() or not _value_checks_enabled(seq_lens):
         return
     block_size = kv_cache.shape[1]
     width = block_table.shape[1] * block_size
@@ -108,7 +108,9 @@ def _check_blocks(kv_cache, block_table, seq_lens) -> None:
 
 
 def check_attention(query, kv_cache, block_table, seq_lens, query_start_loc, preset: str, key=None,
-                    value=None) -> Preset:
+                    value=None, check_values: bool = True) -> Preset:
+    """The op's input checks; ``check_values=False`` skips those that read the index tensors' values (for a
+    caller that checked these very tensors already, e.g. the layers of one engine step after the first)."""
     _check_query(query, kv_cache)
     p = _check_cache(kv_cache, preset, query.shape[-1])
     _check_devices(kv_cache, query=query, block_table=block_table, seq_lens=seq_lens,
@@ -125,13 +127,13 @@ def check_attention(query, kv_cache, block_table, seq_lens, query_start_loc, pre
         if tuple(t.shape) != want or t.dtype != query.dtype or t.device != query.device:
             raise ValueError(f"{name}: expected {query.dtype} {want} on {query.device} (one row per query row), "
                              f"got {t.dtype} {tuple(t.shape)} on {t.device}")
-    _check_blocks(kv_cache, block_table, seq_lens)
+    _check_blocks(kv_cache, block_table, seq_lens, check_values)
     _check_index("query_start_loc", query_start_loc, 1)
     if query_start_loc.shape[0] != seq_lens.shape[0] + 1:
         raise ValueError(
             f"query_start_loc: expected {seq_lens.shape[0] + 1} entries (batch + 1), got {query_start_loc.shape[0]}"
         )
-    if _value_checks_enabled(query_start_loc):
+    if check_values and _value_checks_enabled(query_start_loc):
         starts = query_start_loc.to(torch.int64)
         new = starts[1:] - starts[:-1]
         if int(starts[0]) != 0 or bool((new < 0).any()) or int(starts[-1]) > query.shape[0]:
@@ -212,12 +214,14 @@ def attention(
 
 def attention_into(out: torch.Tensor, query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
                    seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float, preset: str,
-                   key: torch.Tensor | None = None, value: torch.Tensor | None = None) -> torch.Tensor:
+                   key: torch.Tensor | None = None, value: torch.Tensor | None = None,
+                   check_values: bool = True) -> torch.Tensor:
     """``tqkv::attention`` written into ``out`` (the query's shape and dtype, its last dimension contiguous;
     not overlapping the inputs), for callers that own the output buffer already (vLLM's attention layers: see
     ``vllm/serving.attend``): the Triton backend's decode kernels store there directly, which saves a copy
     kernel a layer and step. A plain function, not an op: its callers run inside vLLM's own opaque ops; traced
-    graphs use ``tqkv::attention``. Returns ``out``."""
+    graphs use ``tqkv::attention``. ``check_values=False``: the index tensors' values were checked already
+    (``check_attention``). Returns ``out``."""
     if out.shape != query.shape or out.dtype != query.dtype or out.device != query.device:
         raise ValueError(f"out: expected {tuple(query.shape)} {query.dtype} on {query.device} (the query's), "
                          f"got {tuple(out.shape)} {out.dtype} on {out.device}")
@@ -227,11 +231,13 @@ def attention_into(out: torch.Tensor, query: torch.Tensor, kv_cache: torch.Tenso
         if t is not None and t.numel() and out.numel() and \
                 t.untyped_storage().data_ptr() == out.untyped_storage().data_ptr():
             raise ValueError(f"out: shares memory with {name}; attention reads it after out is written")
-    return _attention(query, kv_cache, block_table, seq_lens, query_start_loc, scale, preset, key, value, out=out)
+    return _attention(query, kv_cache, block_table, seq_lens, query_start_loc, scale, preset, key, value, out=out,
+                      check_values=check_values)
 
 
-def _attention(query, kv_cache, block_table, seq_lens, query_start_loc, scale, preset, key, value, out=None):
-    p = check_attention(query, kv_cache, block_table, seq_lens, query_start_loc, preset, key, value)
+def _attention(query, kv_cache, block_table, seq_lens, query_start_loc, scale, preset, key, value, out=None,
+               check_values=True):
+    p = check_attention(query, kv_cache, block_table, seq_lens, query_start_loc, preset, key, value, check_values)
     own = {} if key is None else dict(key=key, value=value)
     backend = backends.select_backend(query.device, p)
     into = dict(out=out) if out is not None and backends.takes_out(backend) else {}

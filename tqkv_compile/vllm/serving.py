@@ -151,8 +151,18 @@ def _count(path: str, name: str) -> None:
 
 
 def _preset_and_cache(layer: Any, kv_cache: torch.Tensor):
+    """(the stored preset, the cache as the ops address it); the view is made once a layer (vLLM hands a layer
+    the same cache tensor every step)."""
     preset = get_preset(stored_preset(layer.kv_cache_dtype), layer.impl.head_size)
-    return preset, adapter.slot_view(kv_cache, layer.impl.num_kv_heads, preset.slot_bytes)
+    made = _slot_views.get(layer.layer_name)
+    if made is None or made[0] is not kv_cache or made[1] is not preset:
+        made = _slot_views[layer.layer_name] = (
+            kv_cache, preset, adapter.slot_view(kv_cache, layer.impl.num_kv_heads, preset.slot_bytes))
+    return preset, made[2]
+
+
+#: layer name -> (vLLM's cache tensor, the preset, its slot view)
+_slot_views: dict[str, tuple[torch.Tensor, Any, torch.Tensor]] = {}
 
 
 def prepare(impl: Any) -> None:
@@ -240,11 +250,21 @@ def attend(layer: Any, query: torch.Tensor, kv_cache: torch.Tensor, metadata: An
     if layer.layer_name not in memory_backends:
         memory_backends[layer.layer_name] = tqkv_compile.select_backend(query.device, preset).name
         write_report()
-    # straight into vLLM's buffer (no copy kernel a layer: the profile of 2026-12-04 17:02 counted one per layer
-    # and step, ~1 us each under CUDA graphs)
+    # the index tensors' values are checked at a step's first layer: the others read the same metadata object
+    # (vLLM builds one a step) over caches of the same blocks
+    global _checked_step
+    step = (cache.shape[0], cache.shape[1], tokens)
+    checked = _checked_step is not None and _checked_step[0] is metadata and _checked_step[1] == step
+    # straight into vLLM's buffer (no copy kernel a layer and step)
     ops.attention_into(output.view(-1, heads, dim)[:tokens], query[:tokens].view(tokens, heads, dim), cache,
-                       block_table, seq_lens, query_start_loc, float(layer.impl.scale), preset.name, **own)
+                       block_table, seq_lens, query_start_loc, float(layer.impl.scale), preset.name, **own,
+                       check_values=not checked)
+    _checked_step = (metadata, step)  # a strong reference: no later metadata object can take its identity
     _count(path, layer.layer_name)
+
+
+#: (the attention metadata whose index values passed the ops' checks, (num_blocks, block_size, tokens))
+_checked_step: tuple[Any, tuple[int, int, int]] | None = None
 
 
 REPORT_DIR_ENV = "TQKV_REPORT_DIR"
@@ -279,6 +299,9 @@ def served_layers(path: str) -> list[str]:
 
 
 def reset() -> None:
+    global _checked_step
+    _checked_step = None
+    _slot_views.clear()
     fallbacks.clear()
     served.clear()
     memory_backends.clear()
