@@ -88,12 +88,12 @@ def check_kv_write(key, value, kv_cache, slot_mapping, preset: str) -> Preset:
     return p
 
 
-def _check_blocks(kv_cache, block_table, seq_lens, check_values: bool = True) -> None:
+def _check_blocks(kv_cache, block_table, seq_lens) -> None:
     _check_index("block_table", block_table, 2)
     _check_index("seq_lens", seq_lens, 1)
     if seq_lens.shape[0] != block_table.shape[0]:
         raise ValueError(f"seq_lens: expected {block_table.shape[0]} entries (block_table rows), got {seq_lens.shape[0]}")
-    if not check_values or not seq_lens.numel() or not _value_checks_enabled(seq_lens):
+    if not seq_lens.numel() or not _value_checks_enabled(seq_lens):
         return
     block_size = kv_cache.shape[1]
     width = block_table.shape[1] * block_size
@@ -108,13 +108,14 @@ def _check_blocks(kv_cache, block_table, seq_lens, check_values: bool = True) ->
 
 
 def check_attention(query, kv_cache, block_table, seq_lens, query_start_loc, preset: str, key=None,
-                    value=None, check_values: bool = True) -> Preset:
-    """The op's input checks; ``check_values=False`` skips those that read the index tensors' values (for a
-    caller that checked these very tensors already, e.g. the layers of one engine step after the first)."""
+                    value=None, indices_checked: bool = False) -> Preset:
+    """The op's input checks. ``indices_checked``: block_table, seq_lens and query_start_loc passed these checks
+    already, against a cache of the same blocks and a query of the same rows (the layers of one engine step
+    after the first: vllm/serving.attend); their checks, host reads included, are skipped."""
     _check_query(query, kv_cache)
     p = _check_cache(kv_cache, preset, query.shape[-1])
-    _check_devices(kv_cache, query=query, block_table=block_table, seq_lens=seq_lens,
-                   query_start_loc=query_start_loc)
+    _check_devices(kv_cache, query=query, **({} if indices_checked else dict(
+        block_table=block_table, seq_lens=seq_lens, query_start_loc=query_start_loc)))
     if (key is None) != (value is None):
         missing = "value" if value is None else "key"
         raise ValueError(f"{missing}: missing; the step's key and value come together (or neither)")
@@ -127,13 +128,19 @@ def check_attention(query, kv_cache, block_table, seq_lens, query_start_loc, pre
         if tuple(t.shape) != want or t.dtype != query.dtype or t.device != query.device:
             raise ValueError(f"{name}: expected {query.dtype} {want} on {query.device} (one row per query row), "
                              f"got {t.dtype} {tuple(t.shape)} on {t.device}")
-    _check_blocks(kv_cache, block_table, seq_lens, check_values)
+    if not indices_checked:
+        _check_indices(query, kv_cache, block_table, seq_lens, query_start_loc)
+    return p
+
+
+def _check_indices(query, kv_cache, block_table, seq_lens, query_start_loc) -> None:
+    _check_blocks(kv_cache, block_table, seq_lens)
     _check_index("query_start_loc", query_start_loc, 1)
     if query_start_loc.shape[0] != seq_lens.shape[0] + 1:
         raise ValueError(
             f"query_start_loc: expected {seq_lens.shape[0] + 1} entries (batch + 1), got {query_start_loc.shape[0]}"
         )
-    if check_values and _value_checks_enabled(query_start_loc):
+    if _value_checks_enabled(query_start_loc):
         starts = query_start_loc.to(torch.int64)
         new = starts[1:] - starts[:-1]
         if int(starts[0]) != 0 or bool((new < 0).any()) or int(starts[-1]) > query.shape[0]:
@@ -142,7 +149,6 @@ def check_attention(query, kv_cache, block_table, seq_lens, query_start_loc, pre
             )
         if bool((new > seq_lens.to(torch.int64)).any()):
             raise ValueError("seq_lens: a sequence has more new tokens (query_start_loc) than tokens in all")
-    return p
 
 
 def check_kv_dot(query, kv_cache, block_table, seq_lens, preset: str) -> Preset:
@@ -215,13 +221,12 @@ def attention(
 def attention_into(out: torch.Tensor, query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
                    seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float, preset: str,
                    key: torch.Tensor | None = None, value: torch.Tensor | None = None,
-                   check_values: bool = True) -> torch.Tensor:
+                   indices_checked: bool = False) -> torch.Tensor:
     """``tqkv::attention`` written into ``out`` (the query's shape and dtype, its last dimension contiguous;
     not overlapping the inputs), for callers that own the output buffer already (vLLM's attention layers: see
     ``vllm/serving.attend``): the Triton backend's decode kernels store there directly, which saves a copy
     kernel a layer and step. A plain function, not an op: its callers run inside vLLM's own opaque ops; traced
-    graphs use ``tqkv::attention``. ``check_values=False``: the index tensors' values were checked already
-    (``check_attention``). Returns ``out``."""
+    graphs use ``tqkv::attention``. ``indices_checked``: as :func:`check_attention`'s. Returns ``out``."""
     if out.shape != query.shape or out.dtype != query.dtype or out.device != query.device:
         raise ValueError(f"out: expected {tuple(query.shape)} {query.dtype} on {query.device} (the query's), "
                          f"got {tuple(out.shape)} {out.dtype} on {out.device}")
@@ -232,12 +237,12 @@ def attention_into(out: torch.Tensor, query: torch.Tensor, kv_cache: torch.Tenso
                 t.untyped_storage().data_ptr() == out.untyped_storage().data_ptr():
             raise ValueError(f"out: shares memory with {name}; attention reads it after out is written")
     return _attention(query, kv_cache, block_table, seq_lens, query_start_loc, scale, preset, key, value, out=out,
-                      check_values=check_values)
+                      indices_checked=indices_checked)
 
 
 def _attention(query, kv_cache, block_table, seq_lens, query_start_loc, scale, preset, key, value, out=None,
-               check_values=True):
-    p = check_attention(query, kv_cache, block_table, seq_lens, query_start_loc, preset, key, value, check_values)
+               indices_checked=False):
+    p = check_attention(query, kv_cache, block_table, seq_lens, query_start_loc, preset, key, value, indices_checked)
     own = {} if key is None else dict(key=key, value=value)
     backend = backends.select_backend(query.device, p)
     into = dict(out=out) if out is not None and backends.takes_out(backend) else {}

@@ -250,15 +250,15 @@ def attend(layer: Any, query: torch.Tensor, kv_cache: torch.Tensor, metadata: An
     if layer.layer_name not in memory_backends:
         memory_backends[layer.layer_name] = tqkv_compile.select_backend(query.device, preset).name
         write_report()
-    # the index tensors' values are checked at a step's first layer: the others read the same metadata object
-    # (vLLM builds one a step) over caches of the same blocks
+    # the index tensors are checked at a step's first layer (host reads): the others read the same metadata
+    # object (vLLM builds one a step) over caches of the same blocks
     global _checked_step
     step = (cache.shape[0], cache.shape[1], tokens)
     checked = _checked_step is not None and _checked_step[0] is metadata and _checked_step[1] == step
     # straight into vLLM's buffer (no copy kernel a layer and step)
     ops.attention_into(output.view(-1, heads, dim)[:tokens], query[:tokens].view(tokens, heads, dim), cache,
                        block_table, seq_lens, query_start_loc, float(layer.impl.scale), preset.name, **own,
-                       check_values=not checked)
+                       indices_checked=checked)
     _checked_step = (metadata, step)  # a strong reference: no later metadata object can take its identity
     _count(path, layer.layer_name)
 
