@@ -307,3 +307,32 @@ def test_a_steps_index_values_are_checked_at_its_first_layer_and_at_every_new_st
     with pytest.raises(ValueError, match="block_table"):
         serving.attend(layer, s.query.reshape(T, -1), smaller, first, out, path="compiled")
     serving.reset()
+
+
+def test_the_index_value_checks_in_numpy_and_in_torch_agree():
+    """The CPU's index checks run in numpy, a GPU's in torch with one host read: the same verdicts, the same
+    messages, on good metadata and on each kind of bad value."""
+    from tqkv_compile import ops
+
+    s = build("turboquant_4bit_nc", lens=(5, 9), new=(1, 3))
+    rows = s.query.shape[0]
+    bad_table = s.block_table.clone()
+    bad_table[1, 0] = s.kv_cache.shape[0]
+    junk_past_the_end = s.block_table.clone()
+    junk_past_the_end[0, -1] = -7  # a block no position uses: not an error
+    cases = [
+        (s.block_table, s.seq_lens, s.query_start_loc, None),
+        (junk_past_the_end, s.seq_lens, s.query_start_loc, None),
+        (bad_table, s.seq_lens, s.query_start_loc, "block_table"),
+        (s.block_table, torch.tensor([5, -1], dtype=torch.int32), s.query_start_loc, "seq_lens: lengths"),
+        (s.block_table, torch.tensor([5, 10_000], dtype=torch.int32), s.query_start_loc, "seq_lens: lengths"),
+        (s.block_table, s.seq_lens, torch.tensor([1, 2, 4], dtype=torch.int32), "query_start_loc"),
+        (s.block_table, s.seq_lens, torch.tensor([0, 3, 2], dtype=torch.int32), "query_start_loc"),
+        (s.block_table, s.seq_lens, torch.tensor([0, 1, rows + 1], dtype=torch.int32), "query_start_loc"),
+        (s.block_table, torch.tensor([5, 2], dtype=torch.int32), s.query_start_loc, "more new tokens"),
+    ]
+    for table, lens, starts, expected in cases:
+        verdicts = [check(s.kv_cache, table, lens, starts, rows)
+                    for check in (ops._failed_index_checks_on_host, ops._failed_index_checks)]
+        assert verdicts[0] == verdicts[1]
+        assert (verdicts[0] is None) if expected is None else (expected in verdicts[0])

@@ -88,23 +88,75 @@ def check_kv_write(key, value, kv_cache, slot_mapping, preset: str) -> Preset:
     return p
 
 
-def _check_blocks(kv_cache, block_table, seq_lens) -> None:
+def _check_blocks(kv_cache, block_table, seq_lens, query_start_loc=None, rows: int = 0) -> None:
+    """block_table / seq_lens (and query_start_loc, given the query's ``rows``): dtypes and shapes, then their
+    values against the cache (:func:`_failed_index_checks`)."""
     _check_index("block_table", block_table, 2)
     _check_index("seq_lens", seq_lens, 1)
     if seq_lens.shape[0] != block_table.shape[0]:
         raise ValueError(f"seq_lens: expected {block_table.shape[0]} entries (block_table rows), got {seq_lens.shape[0]}")
-    if not seq_lens.numel() or not _value_checks_enabled(seq_lens):
+    if query_start_loc is not None:
+        _check_index("query_start_loc", query_start_loc, 1)
+        if query_start_loc.shape[0] != seq_lens.shape[0] + 1:
+            raise ValueError(f"query_start_loc: expected {seq_lens.shape[0] + 1} entries (batch + 1), got "
+                             f"{query_start_loc.shape[0]}")
+    if not _value_checks_enabled(seq_lens):
         return
+    # numpy's ops on a few values cost ~1-2 us each on a CPU, torch's ~5-10; on a GPU one host read
+    failed = (_failed_index_checks_on_host if seq_lens.device.type == "cpu" else _failed_index_checks)(
+        kv_cache, block_table, seq_lens, query_start_loc, rows)
+    if failed:
+        raise ValueError(failed)
+
+
+def _failed_index_checks(kv_cache, block_table, seq_lens, query_start_loc, rows: int) -> str | None:
+    """:func:`_check_blocks`' value checks in torch on the tensors' device, read back in one host transfer: the
+    first failure's message, or None."""
     block_size = kv_cache.shape[1]
     width = block_table.shape[1] * block_size
     lengths = seq_lens.to(torch.int64)
-    if int(lengths.min()) < 0 or int(lengths.max()) > width:
-        raise ValueError(f"seq_lens: lengths must lie in [0, {width}] (block_table columns x block size)")
-    used = torch.arange(block_table.shape[1], device=block_table.device)[None, :] * block_size < lengths[:, None]
-    if bool(used.any()):
-        blocks = block_table[used]
-        if int(blocks.min()) < 0 or int(blocks.max()) >= kv_cache.shape[0]:
-            raise ValueError(f"block_table: block index out of range [0, {kv_cache.shape[0]}) for a used position")
+    bad = {}  # message -> a bool tensor
+    if lengths.numel():
+        bad[f"seq_lens: lengths must lie in [0, {width}] (block_table columns x block size)"] = (
+            (lengths < 0) | (lengths > width)).any()
+        used = torch.arange(block_table.shape[1], device=block_table.device)[None, :] * block_size < lengths[:, None]
+        bad[f"block_table: block index out of range [0, {kv_cache.shape[0]}) for a used position"] = (
+            used & ((block_table < 0) | (block_table >= kv_cache.shape[0]))).any()
+    if query_start_loc is not None:
+        starts = query_start_loc.to(torch.int64)
+        new = starts[1:] - starts[:-1]
+        bad[f"query_start_loc: must start at 0, not decrease and end at most at T={rows}"] = (
+            (starts[0] != 0) | (new < 0).any() | (starts[-1] > rows))
+        bad["seq_lens: a sequence has more new tokens (query_start_loc) than tokens in all"] = (new > lengths).any()
+    if bad:
+        for message, failed in zip(bad, torch.stack(list(bad.values())).tolist()):
+            if failed:
+                return message
+    return None
+
+
+def _failed_index_checks_on_host(kv_cache, block_table, seq_lens, query_start_loc, rows: int) -> str | None:
+    """:func:`_failed_index_checks` on CPU tensors, in numpy."""
+    import numpy as np
+
+    block_size, num_blocks = kv_cache.shape[1], kv_cache.shape[0]
+    width = block_table.shape[1] * block_size
+    lengths = seq_lens.numpy().astype(np.int64)
+    if lengths.size:
+        if lengths.min() < 0 or lengths.max() > width:
+            return f"seq_lens: lengths must lie in [0, {width}] (block_table columns x block size)"
+        used = np.arange(block_table.shape[1])[None, :] * block_size < lengths[:, None]
+        blocks = block_table.numpy()[used]
+        if blocks.size and (blocks.min() < 0 or blocks.max() >= num_blocks):
+            return f"block_table: block index out of range [0, {num_blocks}) for a used position"
+    if query_start_loc is not None:
+        starts = query_start_loc.numpy().astype(np.int64)
+        new = np.diff(starts)
+        if starts[0] != 0 or (new < 0).any() or starts[-1] > rows:
+            return f"query_start_loc: must start at 0, not decrease and end at most at T={rows}"
+        if (new > lengths).any():
+            return "seq_lens: a sequence has more new tokens (query_start_loc) than tokens in all"
+    return None
 
 
 def check_attention(query, kv_cache, block_table, seq_lens, query_start_loc, preset: str, key=None,
@@ -129,26 +181,8 @@ def check_attention(query, kv_cache, block_table, seq_lens, query_start_loc, pre
             raise ValueError(f"{name}: expected {query.dtype} {want} on {query.device} (one row per query row), "
                              f"got {t.dtype} {tuple(t.shape)} on {t.device}")
     if not indices_checked:
-        _check_indices(query, kv_cache, block_table, seq_lens, query_start_loc)
+        _check_blocks(kv_cache, block_table, seq_lens, query_start_loc, query.shape[0])
     return p
-
-
-def _check_indices(query, kv_cache, block_table, seq_lens, query_start_loc) -> None:
-    _check_blocks(kv_cache, block_table, seq_lens)
-    _check_index("query_start_loc", query_start_loc, 1)
-    if query_start_loc.shape[0] != seq_lens.shape[0] + 1:
-        raise ValueError(
-            f"query_start_loc: expected {seq_lens.shape[0] + 1} entries (batch + 1), got {query_start_loc.shape[0]}"
-        )
-    if _value_checks_enabled(query_start_loc):
-        starts = query_start_loc.to(torch.int64)
-        new = starts[1:] - starts[:-1]
-        if int(starts[0]) != 0 or bool((new < 0).any()) or int(starts[-1]) > query.shape[0]:
-            raise ValueError(
-                f"query_start_loc: must start at 0, not decrease and end at most at T={query.shape[0]}"
-            )
-        if bool((new > seq_lens.to(torch.int64)).any()):
-            raise ValueError("seq_lens: a sequence has more new tokens (query_start_loc) than tokens in all")
 
 
 def check_kv_dot(query, kv_cache, block_table, seq_lens, preset: str) -> Preset:

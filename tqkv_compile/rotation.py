@@ -18,12 +18,15 @@ def _hadamard_cpu(dim: int) -> torch.Tensor:
     return h / math.sqrt(dim)
 
 
-_on_device: dict[tuple[int, str], torch.Tensor] = {}
+_on_device: dict[tuple[int, object], torch.Tensor] = {}  # (dim, device as asked or as a str) -> H
 
 
 def hadamard(dim: int, device: torch.device | str = "cpu") -> torch.Tensor:
     """fp32 [dim, dim] orthonormal Hadamard matrix H with H == H.T == inverse(H)."""
-    key = (dim, str(torch.device(device)))
-    if key not in _on_device:
-        _on_device[key] = _hadamard_cpu(dim).to(device)
-    return _on_device[key]
+    made = _on_device.get((dim, device))  # as asked (a str or device already seen: no torch.device() a call)
+    if made is None:
+        key = (dim, str(torch.device(device)))
+        if key not in _on_device:
+            _on_device[key] = _hadamard_cpu(dim).to(device)
+        made = _on_device[(dim, device)] = _on_device[key]
+    return made

@@ -142,8 +142,8 @@ def attention(query, kv_cache, block_table, seq_lens, query_start_loc, scale, pr
     q = query if query.shape[-1] <= 1 or query.stride(-1) == 1 else query.contiguous()
     into = out if out is not None and (out.shape[-1] <= 1 or out.stride(-1) == 1) else torch.empty_like(q)
     torch.ops.tqkv_cpu.decode_attention(
-        q, kv_cache, block_table.to(torch.int32).contiguous(), seq_lens.to(torch.int64).contiguous(),
-        query_start_loc.to(torch.int64).contiguous(), _tables(preset).decode, preset.rotation(), into, float(scale),
+        q, kv_cache, block_table, seq_lens, query_start_loc, _tables(preset).decode, preset.rotation(), into,
+        float(scale),
         8 if preset.key_fp8 else preset.key_bits, preset.key_wide_coords, preset.key_outliers,
         preset.norm_correction, preset.value_bits, preset.value_wide_coords, preset.value_lloyd_max,
         preset.key_code_bytes, preset.key_bytes, preset.value_code_bytes, preset.slot_bytes, vectorized)
@@ -209,7 +209,7 @@ def kv_write(key, value, kv_cache, slot_mapping, preset: Preset) -> None:
     key = key if key.stride(-1) == 1 else key.contiguous()
     value = value.to(key.dtype) if value.stride(-1) == 1 else value.to(key.dtype).contiguous()
     torch.ops.tqkv_cpu.kv_write(
-        key, value, kv_cache, slot_mapping.to(torch.int64).contiguous(), _tables(preset).encode,
+        key, value, kv_cache, slot_mapping, _tables(preset).encode,
         8 if preset.key_fp8 else preset.key_bits, preset.key_wide_coords, preset.key_outliers, preset.norm_at_write,
         preset.value_bits, preset.value_wide_coords, preset.value_lloyd_max, preset.key_code_bytes, preset.key_bytes,
         preset.value_code_bytes, preset.slot_bytes)

@@ -7,7 +7,7 @@
 //          transform in fp64, rounded to fp32), once per row and head
 //   cache  uint8 [num_blocks, block_size, Hk, slot_bytes], any strides with the last one 1 (vLLM's CPU
 //          allocation is [num_blocks, Hk, block_size, 2 D] permuted and sliced)
-//   block_table int32 [B, M] contiguous; seq_lens, starts int64 [B], [B + 1] (query_start_loc)
+//   block_table [B, M], seq_lens [B], starts [B + 1] (query_start_loc): int32 or int64, converted here
 //   tables fp32 [4, 32]: Lloyd-Max centroids of the keys' codes, of their wide coordinates' codes, of the
 //          values' codes and of their wide coordinates' codes (zero-padded; unused rows ignored)
 //   hadamard fp32 [D, D]: H (codec's rotation), read for key outliers
@@ -806,11 +806,14 @@ void decode_attention(const at::Tensor& query, const at::Tensor& cache, const at
   TORCH_CHECK(cache.scalar_type() == at::kByte && cache.dim() == 4 && cache.stride(3) == 1 &&
                   cache.size(3) >= slot_bytes,
               "kv_cache: uint8 [num_blocks, block_size, Hk, slot_bytes] with contiguous slots");
-  TORCH_CHECK(block_table.scalar_type() == at::kInt && block_table.is_contiguous() && block_table.dim() == 2,
-              "block_table: int32 [B, M] contiguous");
-  TORCH_CHECK(seq_lens.scalar_type() == at::kLong && starts.scalar_type() == at::kLong && seq_lens.is_contiguous() &&
-                  starts.is_contiguous() && starts.numel() == seq_lens.numel() + 1,
-              "seq_lens, starts: int64 [B], [B + 1]");
+  // the index tensors as the loops read them: a no-op for int32 block tables and int64 lengths, a small copy
+  // for vLLM's int32 lengths (here rather than in Python: ~10 us of dispatch a layer saved)
+  const at::Tensor bt = block_table.to(at::kInt).contiguous();
+  const at::Tensor lens = seq_lens.to(at::kLong).contiguous();
+  const at::Tensor row_starts = starts.to(at::kLong).contiguous();
+  TORCH_CHECK(bt.dim() == 2, "block_table: [B, M]");
+  TORCH_CHECK(lens.dim() == 1 && row_starts.dim() == 1 && row_starts.numel() == lens.numel() + 1,
+              "seq_lens, starts: [B], [B + 1]");
   TORCH_CHECK(tables.scalar_type() == at::kFloat && tables.is_contiguous() && tables.numel() == 4 * 32,
               "tables: fp32 [4, 32]");
   const int64_t D = query.size(2);
@@ -836,10 +839,10 @@ void decode_attention(const at::Tensor& query, const at::Tensor& cache, const at
   P.cache = cache.data_ptr<uint8_t>();
   P.s0 = cache.stride(0), P.s1 = cache.stride(1), P.s2 = cache.stride(2);
   P.block_size = cache.size(1);
-  P.block_table = block_table.data_ptr<int32_t>();
-  P.bt_stride = block_table.size(1);
-  P.seq_lens = seq_lens.data_ptr<int64_t>();
-  P.starts = starts.data_ptr<int64_t>();
+  P.block_table = bt.data_ptr<int32_t>();
+  P.bt_stride = bt.size(1);
+  P.seq_lens = lens.data_ptr<int64_t>();
+  P.starts = row_starts.data_ptr<int64_t>();
   P.Hq = query.size(1), P.Hk = cache.size(2), P.D = D;
   TORCH_CHECK(P.Hq % P.Hk == 0, "query heads: a multiple of the cache's kv heads");
   P.group = P.Hq / P.Hk;
@@ -955,7 +958,8 @@ void kv_write(const at::Tensor& key, const at::Tensor& value, at::Tensor cache, 
   const int qtype = kt == at::kBFloat16 ? kBF16 : kt == at::kHalf ? kF16 : kF32;
   TORCH_CHECK(cache.scalar_type() == at::kByte && cache.dim() == 4 && cache.stride(3) == 1 && cache.size(3) >= slot_bytes,
               "kv_cache: uint8, slots contiguous");
-  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous(), "slot_mapping: int64");
+  const at::Tensor slot_of = slot_mapping.to(at::kLong).contiguous();  // vLLM's are int64 already: a no-op
+  TORCH_CHECK(slot_of.dim() == 1 && slot_of.numel() == key.size(0), "slot_mapping: [T]");
   TORCH_CHECK(tables.scalar_type() == at::kFloat && tables.is_contiguous() && tables.numel() == 4 * 2 * 64,
               "tables: fp32 [4, 2, 64]");
   const int64_t T = key.size(0), Hk = key.size(1), D = key.size(2);
@@ -967,7 +971,7 @@ void kv_write(const at::Tensor& key, const at::Tensor& value, at::Tensor cache, 
   const void* k = key.data_ptr();
   const void* v = value.data_ptr();
   const int64_t k_st = key.stride(0), k_sh = key.stride(1), v_st = value.stride(0), v_sh = value.stride(1);
-  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  const int64_t* slots = slot_of.data_ptr<int64_t>();
   uint8_t* base = cache.data_ptr<uint8_t>();
   const int64_t s0 = cache.stride(0), s1 = cache.stride(1), s2 = cache.stride(2), bs = cache.size(1);
   const float* tab = tables.data_ptr<float>();  // [field][centroids, midpoints][64]

@@ -203,11 +203,13 @@ def _warn_about_fa2_once() -> None:
 TRACE_ENV = "TQKV_TRACE"
 
 
+def _tracing() -> bool:
+    return os.environ.get(TRACE_ENV, "0") not in ("", "0")
+
+
 def _trace(op: str, layer: Any, **fields: Any) -> None:
-    """With ``TQKV_TRACE=1``: one line per op call on stderr, flushed before the launch, so that the last line
-    before a stall names the call (shapes only: no host sync)."""
-    if os.environ.get(TRACE_ENV, "0") in ("", "0"):
-        return
+    """One line per op call on stderr (callers ask :func:`_tracing`, ``TQKV_TRACE=1``, first), flushed before the
+    launch, so that the last line before a stall names the call (shapes only: no host sync)."""
     import sys
 
     described = " ".join(f"{k}={tuple(v.shape) if isinstance(v, torch.Tensor) else v}" for k, v in fields.items())
@@ -220,13 +222,14 @@ def write_kv(layer: Any, key, value, kv_cache: torch.Tensor, slot_mapping: torch
         return
     preset, cache = _preset_and_cache(layer, kv_cache)
     tokens = slot_mapping.shape[0]
-    _trace("kv_write", layer, path=path, preset=preset.name, key=key, slots=slot_mapping, cache=cache)
+    if _tracing():
+        _trace("kv_write", layer, path=path, preset=preset.name, key=key, slots=slot_mapping, cache=cache)
     heads, dim = layer.impl.num_kv_heads, layer.impl.head_size
+    if key.shape[0] != tokens:  # padded rows past the slot mapping
+        key, value = key[:tokens], value[:tokens]
     # the op's body without its Python dispatch (0.05-0.2 ms a call on a 2-core CPU); this runs inside vLLM's
     # opaque ops
-    ops.kv_write_direct(
-        key[:tokens].view(tokens, heads, dim), value[:tokens].view(tokens, heads, dim), cache, slot_mapping, preset.name
-    )
+    ops.kv_write_direct(key.view(tokens, heads, dim), value.view(tokens, heads, dim), cache, slot_mapping, preset.name)
     _count(path, layer.layer_name)
 
 
@@ -241,10 +244,13 @@ def attend(layer: Any, query: torch.Tensor, kv_cache: torch.Tensor, metadata: An
     preset, cache = _preset_and_cache(layer, kv_cache)
     block_table, seq_lens, query_start_loc, tokens = adapter.metadata_tensors(metadata)
     heads, dim = layer.impl.num_heads, layer.impl.head_size
-    _trace("attention", layer, path=path, preset=preset.name, tokens=tokens, query=query, block_table=block_table,
-           seq_lens=seq_lens, query_start_loc=query_start_loc, cache=cache)
+    if _tracing():
+        _trace("attention", layer, path=path, preset=preset.name, tokens=tokens, query=query,
+               block_table=block_table, seq_lens=seq_lens, query_start_loc=query_start_loc, cache=cache)
     own = {}
-    if key is not None and value is not None:
+    # the step's keys and values serve whole prompts; a batch of no more rows than sequences (pure decode) has
+    # none, and the op would not look at them
+    if key is not None and value is not None and tokens > seq_lens.shape[0]:
         kv_heads = layer.impl.num_kv_heads
         own = dict(key=key[:tokens].view(tokens, kv_heads, dim), value=value[:tokens].view(tokens, kv_heads, dim))
     if layer.layer_name not in memory_backends:
@@ -256,7 +262,9 @@ def attend(layer: Any, query: torch.Tensor, kv_cache: torch.Tensor, metadata: An
     step = (cache.shape[0], cache.shape[1], tokens)
     checked = _checked_step is not None and _checked_step[0] is metadata and _checked_step[1] == step
     # straight into vLLM's buffer (no copy kernel a layer and step)
-    ops.attention_into(output.view(-1, heads, dim)[:tokens], query[:tokens].view(tokens, heads, dim), cache,
+    if query.shape[0] != tokens:  # padded rows
+        query, output = query[:tokens], output[:tokens]
+    ops.attention_into(output.view(tokens, heads, dim), query.view(tokens, heads, dim), cache,
                        block_table, seq_lens, query_start_loc, float(layer.impl.scale), preset.name, **own,
                        indices_checked=checked)
     _checked_step = (metadata, step)  # a strong reference: no later metadata object can take its identity
