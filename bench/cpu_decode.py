@@ -29,39 +29,15 @@ stdout, JSON (with the exact command, date, commit, CPU) to ``--out``.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import math
 import os
-import platform
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import torch
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def commit() -> str | None:
-    try:
-        head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
-                              cwd=Path(__file__).resolve().parent).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
-                               text=True, cwd=Path(__file__).resolve().parent).stdout.strip()
-        return head + ("+dirty" if dirty else "")
-    except (OSError, subprocess.CalledProcessError):
-        return None
 
 
 def build_caches(batch, length, kv_heads, dim, block_size, preset, seed=0):
@@ -140,7 +116,7 @@ def main(argv=None) -> int:
         torch.set_num_threads(args.threads)
 
     import tqkv_compile
-    from tqkv_compile import oracle
+    from tqkv_compile import oracle, run_meta
     from tqkv_compile.backends import cpu_kernel
     from tqkv_compile.codec import get_preset
 
@@ -226,7 +202,7 @@ def main(argv=None) -> int:
     medians = {name: statistics.median(t) for name, t in times.items()}
 
     print(f"decode attention, one layer: {B} x {L} positions, {H} / {Hk} heads, head {D}, block {BS}, "
-          f"{args.preset}, bf16 queries, {torch.get_num_threads()} threads, {cpu_name()}")
+          f"{args.preset}, bf16 queries, {torch.get_num_threads()} threads, {run_meta.device()}")
     print(f"{'contender':28s} {'median ms':>10s} {'min ms':>8s} {'vs vllm':>8s} {'l2_rel':>9s} {'max_rel':>9s}"
           "   (errors: against the oracle over the tqkv cache; write_*: a decode step's kv_write, vs vLLM's)")
     for name in contenders:
@@ -237,11 +213,9 @@ def main(argv=None) -> int:
               f"{e['max_rel']:9.2e}")
     if args.out:
         record = {
-            "meta": {"command": " ".join([Path(sys.executable).name, *sys.argv]), "cwd": os.getcwd(),
-                     "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                     "commit": commit(), "cpu": cpu_name(), "cores": os.cpu_count(),
-                     "threads": torch.get_num_threads(), "torch": torch.__version__,
-                     "vllm_isa": isa if vllm_run is not None else None, "kernel_avx2": cpu_kernel.has_avx2()},
+            **run_meta.run_meta(" ".join([Path(sys.executable).name, *sys.argv]), cwd=os.getcwd(),
+                                threads=torch.get_num_threads(), vllm_isa=isa if vllm_run is not None else None,
+                                kernel_avx2=cpu_kernel.has_avx2()),
             "shape": dict(batch=B, length=L, heads=H, kv_heads=Hk, head_dim=D, block_size=BS, preset=args.preset,
                           also=args.also, query_dtype="bfloat16"),
             "repeats": args.repeats,

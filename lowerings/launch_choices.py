@@ -153,7 +153,7 @@ def fragments_preferred(preset: Preset, rows: int, max_len: int) -> bool:
 def stream_block_n(preset: Preset, kernel: str, rows: int, kv_heads: int, max_len: int,
                    device: torch.device) -> int:
     """Positions a tile for the stream and byte kernels: 16 interpreted, 32 for the byte kernel, 64 for the stream
-    kernel (the H200 sweeps' best, bench/results/h200-kernels-notes.md), 128 for fp8 keys where their programs
+    kernel (the H200 sweeps' best, docs/lab-notes/h200-kernels-notes.md), 128 for fp8 keys where their programs
     still fill the GPU twice (faster from 64 x 4096 up, slower at 1 x 4096, where 64 stays; max_len is the
     table's width, so this is graph-stable)."""
     if device.type == "cpu":

@@ -82,7 +82,7 @@ PRESETS: dict[str, PresetSpec] = {
     "turboquant_3bit_nc": PresetSpec(3, 3, True, "turboquant_3bit_nc"),
 }
 
-# Presets of ours: better quality per bit (bench/results/quality-notes.md); sizes at head 64.
+# Presets of ours: better quality per bit (docs/lab-notes/quality-notes.md); sizes at head 64.
 OWN_PRESETS: dict[str, PresetSpec] = {
     # 3.5 bits: keys 4-bit Lloyd-Max plus their largest channel apart, values 2.25-bit Lloyd-Max (rotated);
     # 56 B in k3v4_nc's 62 B (106 / 206 B in 118 / 230 B at head 128 / 256).

@@ -33,12 +33,23 @@ def commit() -> str | None:
 
 
 def device() -> str:
-    """The GPU's name, or the CPU's architecture and core count."""
+    """The GPU's name, or the CPU's architecture, model name (where the OS says it) and core count."""
     import torch
 
     if torch.cuda.is_available():
         return torch.cuda.get_device_name()
-    return f"{platform.machine()} CPU, {os.cpu_count()} cores"
+    return f"{platform.machine()} CPU{f' ({cpu_model()})' if cpu_model() else ''}, {os.cpu_count()} cores"
+
+
+def cpu_model() -> str | None:
+    """The CPU's model name from /proc/cpuinfo (None where there is none)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return None
 
 
 def _version(module: str) -> str | None:
