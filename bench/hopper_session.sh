@@ -70,6 +70,8 @@ print("torch", torch.__version__, "triton", triton.__version__, torch.cuda.get_d
 PY
 )
 
+# charts where this host has matplotlib (the tools refuse --plot without it, before the run)
+PLOTS=$(python3 -c "import matplotlib" 2>/dev/null && echo 1)
 GPU=${GPU:-$(python3 -c "import torch; n = torch.cuda.get_device_name().lower(); print('h200' if 'h200' in n else 'h100' if 'h100' in n else 'gpu')" 2>/dev/null || echo gpu)}
 
 # SmolLM2 exported to /tmp/smollm2 from the wheel's halves in /root/tqkv-smol; else a 6-layer dummy model
@@ -136,14 +138,14 @@ shapes)
     step "decode over model shapes x cases: ${SHAPES:=llama3-8b,qwen2.5-7b,llama3-70b-tp8,qwen2.5-0.5b,head256,llama3-8b-tp2}"
     timeout ${SHAPES_TIMEOUT:-540} python3 -m tqkv_compile.bench_kernels --shapes --shape-names "$SHAPES" \
         ${SHAPE_CASES:+--case-names "$SHAPE_CASES"} ${SHAPE_PRESETS:+--presets "$SHAPE_PRESETS"} \
-        --out "$OUT/$GPU-kernels-shapes.json" --plot "$OUT/$GPU-kernels-shapes.png" > "$OUT/shapes.log" 2>&1
+        --out "$OUT/$GPU-kernels-shapes.json" ${PLOTS:+--plot "$OUT/$GPU-kernels-shapes.png"} > "$OUT/shapes.log" 2>&1
     grep -v '^{' "$OUT/shapes.log" | tail -12
     ;;
 full)
     # issue 4's table: every case and preset, FA3 bf16 / fp8 and vLLM's TurboQuant beside ours, and the plot
     step "bench kernels: all cases and presets with the baselines"
     timeout ${FULL_TIMEOUT:-300} python3 -m tqkv_compile.bench_kernels --out "$OUT/$GPU-kernels.json" \
-        --plot "$OUT/$GPU-kernels.png" > "$OUT/full.log" 2>&1
+        ${PLOTS:+--plot "$OUT/$GPU-kernels.png"} > "$OUT/full.log" 2>&1
     tail -40 "$OUT/full.log" | grep -v '^{'
     ;;
 e2e)
@@ -151,7 +153,7 @@ e2e)
     step "tqkv bench e2e: ${2} (graph partition: ${TQKV_GRAPH_PARTITION:-1})"
     timeout ${4:-570} python3 -m tqkv_compile.bench_e2e --configs "$2" --cases "${3:-64x4096x128,1x32768x128}" \
         --timeout ${E2E_CONFIG_TIMEOUT:-330} \
-        --out "$OUT/$GPU-e2e-part.json" --plot "$OUT/$GPU-e2e-part.png" \
+        --out "$OUT/$GPU-e2e-part.json" ${PLOTS:+--plot "$OUT/$GPU-e2e-part.png"} \
         $([ "${E2E_PROFILE:-0}" = 1 ] && echo --profile /tmp/e2e-profiles) ${E2E_ARGS:-} 2>&1 \
         | tee "$OUT/e2e.log" | grep -v "s \.\.\.$"
     # the profiles as one file (at most 8 files come back from a command)

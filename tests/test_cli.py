@@ -57,3 +57,18 @@ def test_quality_names_an_unknown_preset_and_the_valid_ones(capsys):
 def test_a_preset_of_ours_must_ride_on_the_cache_dtype_asked_for():
     with pytest.raises(SystemExit, match="--preset tqkv_k4o1v225 rides on turboquant_k3v4_nc; add --kv-cache-dtype"):
         cli.main(["demo", "--preset", "tqkv_k4o1v225"])
+
+
+def test_a_chart_without_matplotlib_is_refused_before_the_run(monkeypatch):
+    """--plot is checked when the arguments are read, not after a benchmark of many minutes."""
+    import argparse
+    import importlib.util
+
+    from tqkv_compile.argtypes import plot_path
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real(name, *a))
+    with pytest.raises(argparse.ArgumentTypeError, match="matplotlib"):
+        plot_path("chart.png")
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "matplotlib" else real(name, *a))
+    assert plot_path("chart.png") == "chart.png"

@@ -14,3 +14,14 @@ def positive_int(text: str) -> int:
     if number < 1:
         raise argparse.ArgumentTypeError(f"expected at least 1, got {number}")
     return number
+
+
+def plot_path(text: str) -> str:
+    """argparse type: a PNG path for a chart, refused before the run where matplotlib is missing (else a long
+    benchmark would end in an ImportError after its results)."""
+    import importlib.util
+
+    if importlib.util.find_spec("matplotlib") is None:
+        raise argparse.ArgumentTypeError(
+            f"{text}: a chart needs matplotlib (pip install 'tqkv-compile[plot]'), or leave --plot out")
+    return text

@@ -56,6 +56,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from tqkv_compile.argtypes import plot_path
 from tqkv_compile.children import kill_group, terminate_raises
 
 DEFAULT_CONFIGS = ["bf16", "fp8", "vllm_tq:turboquant_4bit_nc", "tqkv:turboquant_4bit_nc",
@@ -527,7 +528,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--check-values", action="store_true",
                         help="keep the tqkv ops' value checks (host syncs) on while timing")
     parser.add_argument("--out", help="JSON path for the records")
-    parser.add_argument("--plot", help="PNG path: decode tokens/s per configuration and case")
+    parser.add_argument("--plot", type=plot_path, help="PNG path: decode tokens/s per configuration and case")
     parser.add_argument("--profile", metavar="DIR",
                         help="after each case's timed runs, profile one more decode run (min(N, 16) tokens) with "
                              "torch.profiler: DIR/<config>-<case>.txt (top 40 ops) and .json")

@@ -27,6 +27,8 @@ from pathlib import Path
 
 import torch
 
+from tqkv_compile.argtypes import plot_path
+
 HQ, HK, D, BS = 32, 8, 128, 16
 PRESETS = ["turboquant_k8v4", "turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc"]
 CASES = [(1, 4096), (1, 32768), (16, 8192), (64, 8192), (64, 32768), (128, 16384)]
@@ -429,7 +431,7 @@ def main(argv: list[str] | None = None) -> int:
         return bench_shapes.main(argv)
     parser = argparse.ArgumentParser(prog="tqkv bench kernels", description=__doc__.split("\n")[0])
     parser.add_argument("--out", help="JSON path for the records")
-    parser.add_argument("--plot", help="PNG path: achieved bandwidth vs context")
+    parser.add_argument("--plot", type=plot_path, help="PNG path: achieved bandwidth vs context")
     parser.add_argument("--presets", default=",".join(PRESETS),
                         help="comma-separated TurboQuant presets (default %(default)s)")
     parser.add_argument("--cases", default=",".join(f"{b}x{l}" for b, l in CASES),

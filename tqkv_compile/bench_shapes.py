@@ -26,6 +26,8 @@ from pathlib import Path
 
 import torch
 
+from tqkv_compile.argtypes import plot_path
+
 # name -> (query heads, kv heads, head size) on one GPU
 SHAPES = {
     "llama3-8b": (32, 8, 128),
@@ -206,7 +208,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--presets", default=",".join(PRESETS), help="comma-separated presets (%(default)s)")
     parser.add_argument("--no-baselines", action="store_true", help="time tqkv only")
     parser.add_argument("--out", help="JSON path for the records (rewritten after every cell)")
-    parser.add_argument("--plot", help="PNG path: the heat map")
+    parser.add_argument("--plot", type=plot_path, help="PNG path: the heat map")
     args = parser.parse_args(argv)
     shapes = [s for s in args.shape_names.split(",") if s]
     cases = [c for c in args.case_names.split(",") if c]
