@@ -23,7 +23,7 @@ import torch
 def export(out: Path) -> Path:
     from safetensors.torch import save_file
 
-    from tqkv_compile.quality import load_model
+    from tqkv_compile.tools.quality import load_model
 
     model, tokenizer = load_model()
     out.mkdir(parents=True, exist_ok=True)

@@ -115,7 +115,7 @@ PY
     ;;
 kernels)
     step "presets of ours timed beside vLLM's presets (OWN_BASELINES=1: FA3 and vLLM's TurboQuant too)"
-    timeout 150 python3 -m tqkv_compile.bench_kernels $([ "${OWN_BASELINES:-0}" = 1 ] || echo --no-baselines) \
+    timeout 150 python3 -m tqkv_compile.tools.bench_kernels $([ "${OWN_BASELINES:-0}" = 1 ] || echo --no-baselines) \
         --presets ${OWN_PRESETS:-tqkv_k4o1v225,tqkv_k5v3,turboquant_k3v4_nc,turboquant_4bit_nc} \
         --cases ${OWN_CASES:-1x32768,64x32768} --write-tokens ${OWN_WRITE_TOKENS:-64,8192} \
         --out "$OUT/$GPU-own-presets.json" > "$OUT/own-presets.log" 2>&1
@@ -123,7 +123,7 @@ kernels)
     ;;
 check)
     step "every kernel vs exact attention over the codec's decode (the oracle's matrix)"
-    timeout ${CHECK_TIMEOUT:-540} python3 -m tqkv_compile.bench_kernels --check --oracle-only --workers 15 \
+    timeout ${CHECK_TIMEOUT:-540} python3 -m tqkv_compile.tools.bench_kernels --check --oracle-only --workers 15 \
         ${CHECK_PRESETS:+--presets "$CHECK_PRESETS"} --out "$OUT/$GPU-kernels-check.json" > "$OUT/check.log" 2>&1
     grep -E "^\[check|FAIL|oracle check" "$OUT/check.log" | tail -40
     ;;
@@ -136,7 +136,7 @@ sweep)
     ;;
 shapes)
     step "decode over model shapes x cases: ${SHAPES:=llama3-8b,qwen2.5-7b,llama3-70b-tp8,qwen2.5-0.5b,head256,llama3-8b-tp2}"
-    timeout ${SHAPES_TIMEOUT:-540} python3 -m tqkv_compile.bench_kernels --shapes --shape-names "$SHAPES" \
+    timeout ${SHAPES_TIMEOUT:-540} python3 -m tqkv_compile.tools.bench_kernels --shapes --shape-names "$SHAPES" \
         ${SHAPE_CASES:+--case-names "$SHAPE_CASES"} ${SHAPE_PRESETS:+--presets "$SHAPE_PRESETS"} \
         --out "$OUT/$GPU-kernels-shapes.json" ${PLOTS:+--plot "$OUT/$GPU-kernels-shapes.png"} > "$OUT/shapes.log" 2>&1
     grep -v '^{' "$OUT/shapes.log" | tail -12
@@ -144,14 +144,14 @@ shapes)
 full)
     # issue 4's table: every case and preset, FA3 bf16 / fp8 and vLLM's TurboQuant beside ours, and the plot
     step "bench kernels: all cases and presets with the baselines"
-    timeout ${FULL_TIMEOUT:-300} python3 -m tqkv_compile.bench_kernels --out "$OUT/$GPU-kernels.json" \
+    timeout ${FULL_TIMEOUT:-300} python3 -m tqkv_compile.tools.bench_kernels --out "$OUT/$GPU-kernels.json" \
         ${PLOTS:+--plot "$OUT/$GPU-kernels.png"} > "$OUT/full.log" 2>&1
     tail -40 "$OUT/full.log" | grep -v '^{'
     ;;
 e2e)
     [ -f /tmp/tqkv-no-partition ] && export TQKV_GRAPH_PARTITION=0
     step "tqkv bench e2e: ${2} (graph partition: ${TQKV_GRAPH_PARTITION:-1})"
-    timeout ${4:-570} python3 -m tqkv_compile.bench_e2e --configs "$2" --cases "${3:-64x4096x128,1x32768x128}" \
+    timeout ${4:-570} python3 -m tqkv_compile.tools.bench_e2e --configs "$2" --cases "${3:-64x4096x128,1x32768x128}" \
         --timeout ${E2E_CONFIG_TIMEOUT:-330} \
         --out "$OUT/$GPU-e2e-part.json" ${PLOTS:+--plot "$OUT/$GPU-e2e-part.png"} \
         $([ "${E2E_PROFILE:-0}" = 1 ] && echo --profile /tmp/e2e-profiles) ${E2E_ARGS:-} 2>&1 \

@@ -1,6 +1,6 @@
 """Launch choices swept over cells of the shape matrix: the data the launcher's heuristics are fitted to.
 
-For each (shape, case) of :mod:`tqkv_compile.bench_shapes` (``--cells all``: every one) and each preset: the
+For each (shape, case) of :mod:`tqkv_compile.tools.bench_shapes` (``--cells all``: every one) and each preset: the
 default launch, the same launch with every row cut into the shapes' split count (kernel ``fixed``:
 ``length_aware=False``) and with each row's count from the batch's lengths in a widened grid (``aware``), then the stream and fragment kernels at each
 split count of ``--splits`` (counts that give more than ``--max-programs`` programs an SM, or fewer tiles than
@@ -26,8 +26,8 @@ import torch
 
 def main(argv: list[str]) -> int:
     import tqkv_compile
-    from tqkv_compile.bench_kernels import _time_per_table, rotations
-    from tqkv_compile.bench_shapes import BLOCK_SIZE, CASES, SHAPES, _paged
+    from tqkv_compile.tools.bench_kernels import _time_per_table, rotations
+    from tqkv_compile.tools.bench_shapes import BLOCK_SIZE, CASES, SHAPES, _paged
     from tqkv_compile.lowerings import gluon_decode
     from tqkv_compile.lowerings.triton_attention import decode_attention
     from tqkv_compile.run_meta import run_meta

@@ -5,7 +5,7 @@
         --configs vllm_tq:turboquant_4bit_nc,tqkv:turboquant_4bit_nc --cases 2x64x16   # a CPU-sized run
 """
 
-from tqkv_compile.bench_e2e import main
+from tqkv_compile.tools.bench_e2e import main
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -5,7 +5,7 @@
 
 import sys
 
-from tqkv_compile.cli import main
+from tqkv_compile.tools.cli import main
 
 if __name__ == "__main__":
     sys.exit(main(["inspect", *sys.argv[1:]]))

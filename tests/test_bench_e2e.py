@@ -12,7 +12,7 @@ import time
 import pytest
 
 from processes import gone
-from tqkv_compile import bench_e2e
+from tqkv_compile.tools import bench_e2e
 from tqkv_compile.model_config import builtin_model
 
 
@@ -130,7 +130,7 @@ def test_a_terminated_benchmark_takes_its_child_down(tmp_path):
     pid_file = tmp_path / "pid"
     child.write_text(f"import os, time\nopen({str(pid_file)!r}, 'w').write(str(os.getpid()))\ntime.sleep(60)\n")
     parent = tmp_path / "parent.py"
-    parent.write_text("import os, sys\nfrom tqkv_compile import bench_e2e\n"
+    parent.write_text("import os, sys\nfrom tqkv_compile.tools import bench_e2e\n"
                       f"bench_e2e._run_child([sys.executable, {str(child)!r}], dict(os.environ), 60, lambda l: None)\n")
     proc = subprocess.Popen([sys.executable, str(parent)])
     for _ in range(200):
@@ -155,7 +155,7 @@ def test_bench_runs_each_configuration_in_its_engine_and_writes_records(tmp_path
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1")
     env.pop("TRITON_INTERPRET", None)
     proc = subprocess.run(
-        [sys.executable, "-m", "tqkv_compile.bench_e2e", "--model", builtin_model("tiny-llama"), "--dtype", "float32",
+        [sys.executable, "-m", "tqkv_compile.tools.bench_e2e", "--model", builtin_model("tiny-llama"), "--dtype", "float32",
          "--configs", "vllm_tq:turboquant_4bit_nc,tqkv:turboquant_4bit_nc", "--cases", "2x136-160x8", "--out", str(out),
          "--profile", str(profiles)],
         capture_output=True, text=True, env=env, timeout=1200)
@@ -214,6 +214,6 @@ def test_model_shapes_are_config_only_folders_of_those_shapes(tmp_path):
     for name, shape in [("llama3-8b", (32, 8, 128)), ("qwen2.5-7b", (28, 4, 128))]:  # (layers, kv heads, head)
         folder = bench_e2e.default_model(tmp_path / name, name)
         assert model_shape(folder) == shape
-    proc = subprocess.run([sys.executable, "-m", "tqkv_compile.bench_e2e", "--model", str(tmp_path / "nothing"),
+    proc = subprocess.run([sys.executable, "-m", "tqkv_compile.tools.bench_e2e", "--model", str(tmp_path / "nothing"),
                            "--configs", "bf16", "--cases", "1x8x3"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "neither a model folder" in proc.stderr

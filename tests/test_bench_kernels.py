@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tqkv_compile.bench_kernels import rotations
+from tqkv_compile.tools.bench_kernels import rotations
 
 H200_L2 = 50 * 2**20
 
@@ -25,7 +25,7 @@ def test_small_cases_cycle_through_enough_block_tables_to_leave_the_l2_cold():
 def test_summary_names_kv_write_cases_by_tokens_and_rates_against_the_same_case(capsys):
     """kv_write records carry issue 4's fields (B = tokens, L = 0); the summary names them by their tokens
     and divides vLLM's time by ours for the same token count only."""
-    from tqkv_compile.bench_kernels import _summary
+    from tqkv_compile.tools.bench_kernels import _summary
 
     records = [{"meta": {}},
                {"op": "kv_write", "B": 64, "L": 0, "impl": "tqkv", "preset": "p", "us": 4.0},

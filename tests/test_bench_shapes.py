@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tqkv_compile import bench_shapes
+from tqkv_compile.tools import bench_shapes
 
 
 def test_the_matrix_holds_the_shapes_and_cases_users_serve():

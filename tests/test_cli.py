@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from tqkv_compile import cli
+from tqkv_compile.tools import cli
 
 
 @pytest.mark.parametrize("argv, message", [

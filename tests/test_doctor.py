@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from tqkv_compile import doctor
+from tqkv_compile.tools import doctor
 from tqkv_compile.vllm import adapter
 
 
@@ -79,7 +79,7 @@ def test_a_gpu_below_ampere_gets_no_kernels_and_is_told_why():
 
 
 def test_the_cli_runs_it(capsys):
-    from tqkv_compile import cli
+    from tqkv_compile.tools import cli
 
     assert cli.main(["doctor", "--json"]) == 0
     assert '"serves": true' in capsys.readouterr().out

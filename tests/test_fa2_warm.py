@@ -108,16 +108,16 @@ def test_a_child_runs_its_one_case(monkeypatch, capsys):
 @pytest.mark.skipif(fa2_warm.needed() is not None, reason="this GPU needs the warm: the command would run it")
 def test_the_command_says_when_there_is_nothing_to_warm_and_refuses_bad_head_sizes():
     env = dict(os.environ)
-    done = subprocess.run([sys.executable, "-m", "tqkv_compile.cli", "warm-fa2"], capture_output=True, text=True,
+    done = subprocess.run([sys.executable, "-m", "tqkv_compile.tools.cli", "warm-fa2"], capture_output=True, text=True,
                           env=env, timeout=300)
     assert done.returncode == 0 and "skipped" in json.loads(done.stdout)
-    bad = subprocess.run([sys.executable, "-m", "tqkv_compile.cli", "warm-fa2", "--head-sizes", "96"],
+    bad = subprocess.run([sys.executable, "-m", "tqkv_compile.tools.cli", "warm-fa2", "--head-sizes", "96"],
                          capture_output=True, text=True, env=env, timeout=300)
     assert bad.returncode == 2 and "head size 96" in bad.stderr
 
 
 def test_bench_e2e_warms_the_models_head_size_and_never_fails_on_it(tmp_path, monkeypatch):
-    from tqkv_compile import bench_e2e
+    from tqkv_compile.tools import bench_e2e
 
     heads = []
     monkeypatch.setattr(fa2_warm, "warm", lambda h, **kw: heads.append((h, kw["timeout"])) or {"ran": 4})

@@ -352,7 +352,7 @@ def _warm_fa2(model: str, timeout: float) -> dict:
 
 
 def _run_config(config: str, args: argparse.Namespace, model: str) -> list[dict]:
-    cmd = [sys.executable, "-m", "tqkv_compile.bench_e2e", "--worker", config, "--model", model,
+    cmd = [sys.executable, "-m", "tqkv_compile.tools.bench_e2e", "--worker", config, "--model", model,
            "--cases", args.cases, "--dtype", args.dtype, "--repeats", str(args.repeats)]
     for flag in ("gpu_memory_utilization", "max_num_batched_tokens", "profile"):
         if getattr(args, flag):

@@ -312,7 +312,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tqkv quality", description=__doc__.splitlines()[0])
     add_arguments(parser)
     args = parser.parse_args(argv)
-    args.command_line = " ".join(["python -m tqkv_compile.quality", *(sys.argv[1:] if argv is None else argv)])
+    args.command_line = " ".join(["python -m tqkv_compile.tools.quality", *(sys.argv[1:] if argv is None else argv)])
     return run(args)
 
 

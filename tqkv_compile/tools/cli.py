@@ -11,14 +11,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tqkv", description="TurboQuant KV cache for vLLM, through torch.compile")
     commands = parser.add_subparsers(dest="command", required=True)
 
-    from tqkv_compile import demo
+    from tqkv_compile.tools import demo
 
     demo.add_arguments(commands.add_parser("demo", help="vLLM on the CPU with a TurboQuant cache served by tqkv"))
     inspect = commands.add_parser("inspect", help="print the attention graph before and after the tqkv pass")
     demo.add_model_arguments(inspect)
     inspect.add_argument("--full", action="store_true", help="print the whole graphs, not the attention blocks")
 
-    from tqkv_compile import quality
+    from tqkv_compile.tools import quality
 
     quality.add_arguments(commands.add_parser(
         "quality", help="perplexity of SmolLM2-135M on Jane Austen with K/V read through each preset"))
@@ -34,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
 
     args, rest = parser.parse_known_args(argv)
     if args.command == "doctor":
-        from tqkv_compile import doctor
+        from tqkv_compile.tools import doctor
 
         return doctor.main(rest)
     if args.command == "warm-fa2":
@@ -54,10 +54,10 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"unrecognized arguments: {' '.join(rest)}")
         return demo.inspect(args)
     if args.kind == "e2e":
-        from tqkv_compile import bench_e2e
+        from tqkv_compile.tools import bench_e2e
 
         return bench_e2e.main(rest)
-    from tqkv_compile import bench_kernels
+    from tqkv_compile.tools import bench_kernels
 
     return bench_kernels.main(rest)
 

@@ -91,7 +91,7 @@ def _paged(case: Case, tables_wanted: int, device: str):
 def run_cell(records: list, shape: str, case_name: str, presets: list[str], vllm) -> None:
     """Time every implementation of one cell into ``records``."""
     import tqkv_compile
-    from tqkv_compile.bench_kernels import _record, _time_per_table, rotations
+    from tqkv_compile.tools.bench_kernels import _record, _time_per_table, rotations
 
     hq, hk, dim = SHAPES[shape]
     case = CASES[case_name]
@@ -199,7 +199,7 @@ def plot(records: list[dict], path: str) -> None:
 
 
 def main(argv: list[str]) -> int:
-    from tqkv_compile.bench_kernels import _meta, _vllm
+    from tqkv_compile.tools.bench_kernels import _meta, _vllm
 
     parser = argparse.ArgumentParser(prog="tqkv bench kernels --shapes", description=__doc__.split("\n")[0])
     parser.add_argument("--shapes", action="store_true", help=argparse.SUPPRESS)

@@ -5,9 +5,9 @@ Shape: Llama-3-8B attention (32 q heads, 8 kv heads, head 128, block 16). Baseli
 importable (on the GPU host: the vLLM 0.20 bundle, see ``shared/gpu/README.md``); they call the kernels the
 way ``shared/gpu/baselines/decode_kernels_vllm020.py`` does.
 
-    python -m tqkv_compile.bench_kernels --out bench/results/h200-kernels.json --plot bench/results/h200-kernels.png
-    python -m tqkv_compile.bench_kernels --check --out bench/results/h100-kernels-check.json
-        # every kernel vs exact attention over the codec's decode (tqkv_compile.kernel_check), then the Triton
+    python -m tqkv_compile.tools.bench_kernels --out bench/results/h200-kernels.json --plot bench/results/h200-kernels.png
+    python -m tqkv_compile.tools.bench_kernels --check --out bench/results/h100-kernels-check.json
+        # every kernel vs exact attention over the codec's decode (tqkv_compile.tools.kernel_check), then the Triton
         # backend vs the reference (kv_write bytes, cache views, prefill)
 
 Writes a JSON list of records ``{"op", "B", "L", "impl", "preset", "us", "GBps"}`` (kv_write: ``B`` is the
@@ -388,7 +388,7 @@ def _meta(argv) -> dict:
     """The run's metadata (:func:`tqkv_compile.run_meta.run_meta`), with this benchmark's shape."""
     from tqkv_compile.run_meta import run_meta
 
-    meta = run_meta("python -m tqkv_compile.bench_kernels " + " ".join(argv),
+    meta = run_meta("python -m tqkv_compile.tools.bench_kernels " + " ".join(argv),
                     shape=dict(q_heads=HQ, kv_heads=HK, head_dim=D, block_size=BS))
     meta["meta"]["gpu"] = meta["meta"]["device"]  # the key results before 2026-12-06 carried
     return meta
@@ -425,8 +425,8 @@ def plot(records: list[dict], path: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if "--shapes" in argv:  # the model-shape matrix: its own options (tqkv_compile.bench_shapes)
-        from tqkv_compile import bench_shapes
+    if "--shapes" in argv:  # the model-shape matrix: its own options (tqkv_compile.tools.bench_shapes)
+        from tqkv_compile.tools import bench_shapes
 
         return bench_shapes.main(argv)
     parser = argparse.ArgumentParser(prog="tqkv bench kernels", description=__doc__.split("\n")[0])
@@ -450,14 +450,14 @@ def main(argv: list[str] | None = None) -> int:
                         help="replay one block table per decode case (the L2 may hold a small case's cache); default: "
                              "cycle through disjoint ones so that no call finds its blocks in L2, as in an engine")
     parser.add_argument("--check", action="store_true",
-                        help="every kernel against exact attention over the codec's decode (tqkv_compile.kernel_check; "
+                        help="every kernel against exact attention over the codec's decode (tqkv_compile.tools.kernel_check; "
                              "every preset, ours too, unless --presets names some) and the Triton backend against the "
                              "reference (kv_write bytes, views, prefill); --out writes the oracle's records; then exit")
     parser.add_argument("--dims", default="64,128,256", help="head sizes for --check (default %(default)s)")
     parser.add_argument("--workers", type=int, default=8, help="--check: processes at a time (default %(default)s)")
     parser.add_argument("--oracle-only", action="store_true", help="--check: the oracle's matrix alone")
     parser.add_argument("--shapes", action="store_true",
-                        help="decode over a matrix of model shapes and batches instead (tqkv_compile.bench_shapes; "
+                        help="decode over a matrix of model shapes and batches instead (tqkv_compile.tools.bench_shapes; "
                              "its options: --shapes --help)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -491,7 +491,8 @@ def main(argv: list[str] | None = None) -> int:
 def _check_all(argv, args, presets: list[str]) -> int:
     """``--check``: the oracle's matrix (written to ``--out`` with the run's meta), then the comparisons with the
     reference backend; 1 where anything failed."""
-    from tqkv_compile import codec, kernel_check
+    from tqkv_compile import codec
+    from tqkv_compile.tools import kernel_check
 
     dims = [int(d) for d in args.dims.split(",")]
     named = any(a.startswith("--presets") for a in argv)
