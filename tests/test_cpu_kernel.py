@@ -1,7 +1,7 @@
 """The native CPU decode attention (tqkv_compile/csrc/cpu_decode.cpp, tqkv_compile/backends/cpu_kernel.py)
 against the exact oracle: fp64 attention over the codec's decode of the very cache bytes.
 
-Both of its paths (AVX2 + FMA where this CPU has them, and the portable one) on every preset (vLLM's and ours)
+Each of its paths this CPU has (AVX-512 for vLLM's slot layouts, AVX2 + FMA, and the portable one) on every preset (vLLM's and ours)
 at every head size, GQA groups 1 / 3 / 5 / 8, ragged batches up to 5000 positions with several query rows a
 sequence, flat and peaked attention, vLLM's strided CPU cache view, fp32 / bf16 / fp16 queries; slot layouts no
 preset has yet (the general path's other branches). Then how the PyTorch backend uses it: its decode rows,
@@ -38,9 +38,14 @@ LAYOUTS = {
 pytestmark = pytest.mark.skipif(not cpu_kernel.load(), reason="the CPU decode kernel could not be built here")
 
 
-def _check(preset, case, vectorized, scale):
+#: the kernel's paths this CPU has: AVX-512 (vLLM's layouts; the others take AVX2 under it), AVX2, portable
+ISAS = [isa for isa, present in (("avx512", cpu_kernel.has_avx512()), ("avx2", cpu_kernel.has_avx2()),
+                                 ("portable", True)) if present]
+
+
+def _check(preset, case, isa, scale):
     cache, table, lens, qsl, query = case
-    out = cpu_kernel.attention(query, cache, table, lens, qsl, scale, preset, vectorized=vectorized)
+    out = cpu_kernel.attention(query, cache, table, lens, qsl, scale, preset, isa=isa)
     assert out.dtype == query.dtype and out.shape == query.shape
     exact = oracle.exact_attention(query, cache, table, lens, qsl, scale, preset)
     l2, worst = oracle.errors(out, exact)
@@ -68,9 +73,9 @@ def test_every_preset_and_head_size_is_within_tolerance_of_the_oracle(preset_nam
     for q_scale in (1.0, 4.0):
         case = _paged(preset, [1, 17, 300, 5000], [1, 3, 8, 2], kv_heads=2, group=group, q_scale=q_scale,
                       dtype=dtype, strided=strided, seed=k)
-        fast = _check(preset, case, True, dim**-0.5)
-        portable = _check(preset, case, False, dim**-0.5)
-        torch.testing.assert_close(fast.float(), portable.float(), atol=2e-2, rtol=2e-2)
+        outs = [_check(preset, case, isa, dim**-0.5) for isa in ISAS]
+        for out in outs[:-1]:
+            torch.testing.assert_close(out.float(), outs[-1].float(), atol=2e-2, rtol=2e-2)
 
 
 @pytest.mark.parametrize("dim", [64, 256])
@@ -83,8 +88,8 @@ def test_slot_layouts_of_no_preset_yet_are_within_tolerance_of_the_oracle(layout
     k = list(LAYOUTS).index(layout)
     case = _paged(preset, [1, 17, 300], [1, 3, 2], kv_heads=2, group=[1, 3, 4][k % 3], q_scale=4.0,
                   dtype=torch.float32, strided=k % 2 == 0, seed=k)
-    _check(preset, case, True, dim**-0.5)
-    _check(preset, case, False, dim**-0.5)
+    for isa in ISAS:
+        _check(preset, case, isa, dim**-0.5)
 
 
 @pytest.mark.parametrize("group", [1, 3, 5, 8])
@@ -98,8 +103,8 @@ def test_gqa_groups_and_query_dtypes(group, dtype):
         for q_scale in (1.0, 4.0):
             case = _paged(preset, [33, 700, 5], [4, 1, 5], kv_heads=3, group=group, q_scale=q_scale, dtype=dtype,
                           strided=True, seed=group)
-            _check(preset, case, True, 128**-0.5)
-            _check(preset, case, False, 128**-0.5)
+            for isa in ISAS:
+                _check(preset, case, isa, 128**-0.5)
 
 
 def test_query_rows_past_the_batch_are_zero_and_out_is_written():

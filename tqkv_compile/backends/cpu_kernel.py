@@ -3,8 +3,9 @@
 It reads the packed slots straight from the paged cache (no decoded copy of the context): per (sequence, kv
 head) task it decodes each slot once (centroid lookups from a vector register, fp8 bytes, value codes) for
 every query row and head of the GQA group and keeps an fp32 online softmax, tasks spread over the intra-op
-threads (``at::parallel_for``). AVX2 + FMA + F16C where the CPU has them (chosen at run time), portable C++
-otherwise. A second op encodes a decode step's few tokens for ``kv_write`` (:func:`kv_write`).
+threads (``at::parallel_for``). AVX-512 for vLLM's slot layouts and AVX2 + FMA + F16C for every layout where
+the CPU has them (chosen at run time), portable C++ otherwise. A second op encodes a decode step's few tokens
+for ``kv_write`` (:func:`kv_write`).
 
 Built on first use with ``torch.utils.cpp_extension.load`` into torch's extensions directory (a name that
 hashes the source, so an edited source builds anew and a built one loads in well under a second), the build
@@ -130,13 +131,24 @@ def has_avx2() -> bool:
     return load() and bool(torch.ops.tqkv_cpu.has_avx2())
 
 
+def has_avx512() -> bool:
+    """Whether the loaded kernel takes its AVX-512 path (vLLM's slot layouts) on this CPU."""
+    return load() and bool(torch.ops.tqkv_cpu.has_avx512())
+
+
+#: the kernel's instruction sets, narrowest first (``attention(isa=...)``); each falls back to the one before
+#: where the CPU or the slot layout has no path of it (AVX-512: vLLM's layouts; others stay on AVX2)
+ISAS = ("portable", "avx2", "avx512")
+
+
 def attention(query, kv_cache, block_table, seq_lens, query_start_loc, scale, preset: Preset, key=None, value=None,
-              out=None, vectorized: bool = True) -> torch.Tensor:
+              out=None, isa: str = "avx512") -> torch.Tensor:
     """``ReferenceBackend.attention``'s contract through the kernel, reading the cache (``key`` / ``value``
     are not looked at: whole prompts are routed elsewhere by ``prefill.serve``): query [T, Hq, D] (fp32 / bf16
     / fp16) -> [T, Hq, D] in the query's dtype, in ``out`` where given; rows outside
     ``query_start_loc[0] .. query_start_loc[-1]`` are zero. The kernel rotates the query and writes the
-    output's dtype itself (one op call, no intermediate tensors). ``vectorized=False``: the portable path."""
+    output's dtype itself (one op call, no intermediate tensors). ``isa``: the widest instruction set to use (one of
+    :data:`ISAS`; ``"portable"``: plain C++)."""
     if not load():
         raise RuntimeError("the CPU decode kernel is not available (see the [tqkv] line above)")
     q = query if query.shape[-1] <= 1 or query.stride(-1) == 1 else query.contiguous()
@@ -146,7 +158,7 @@ def attention(query, kv_cache, block_table, seq_lens, query_start_loc, scale, pr
         float(scale),
         8 if preset.key_fp8 else preset.key_bits, preset.key_wide_coords, preset.key_outliers,
         preset.norm_correction, preset.value_bits, preset.value_wide_coords, preset.value_lloyd_max,
-        preset.key_code_bytes, preset.key_bytes, preset.value_code_bytes, preset.slot_bytes, vectorized)
+        preset.key_code_bytes, preset.key_bytes, preset.value_code_bytes, preset.slot_bytes, ISAS.index(isa))
     if out is not None and into is not out:
         out.copy_(into)
         return out

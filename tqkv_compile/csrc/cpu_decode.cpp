@@ -33,7 +33,8 @@
 // decodes each slot once (keys as centroids / fp8 to fp32, values as codes or centroids to fp32) into a small
 // buffer that serves every query row and head of the GQA group, and keeps an online softmax (a running max, a
 // running sum, the accumulator of (P scale_v) . values and the running P . zero_v) per query vector, all fp32.
-// Three implementations: for vLLM's slot layouts AVX2 + FMA + F16C specialised by key and value width
+// Four implementations: for vLLM's slot layouts AVX-512 (task_avx512: 16 lanes, see there) where the CPU has it,
+// and AVX2 + FMA + F16C specialised by key and value width
 // (functions compiled for that target, chosen at run time where the CPU has them; centroid lookups by
 // _mm256_permutevar8x32_ps on the table's two halves; 4-bit codes decoded in nibble order, each 16
 // coordinates' 8 even ones then 8 odd ones, the query permuted alike and the output put back); for the other
@@ -165,12 +166,19 @@ void load_queries(const Problem& P, int64_t first, int64_t n, int64_t h, float* 
     }
 }
 
-// Row `row`, query head `head` of out from fp32 o[D] (o[perm(d)] with nibble order: see task_avx2).
-void store_output(const Problem& P, int64_t row, int64_t head, const float* o, bool nibble_order) {
+// Where coordinate d sits in a vector decoded in nibble order of `group` coordinates (0: in order): in each
+// `group` coordinates the even ones, then the odd ones (4-bit codes unpacked low nibbles first; see task_avx2).
+inline int64_t nibble_position(int64_t d, int group) {
+  if (!group) return d;
+  const int64_t c = d & ~int64_t(group - 1), k = d & (group - 1);
+  return c + (k & 1) * (group / 2) + (k >> 1);
+}
+
+// Row `row`, query head `head` of out from fp32 o[D] (o[nibble_position(d, nibble_group)]).
+void store_output(const Problem& P, int64_t row, int64_t head, const float* o, int nibble_group) {
   const int64_t D = P.D, at = row * P.o_st + head * P.o_sh;
   for (int64_t d = 0; d < D; ++d) {
-    const int64_t c = d & ~int64_t(15), k = d & 15;
-    const float v = nibble_order ? o[c + (k & 1) * 8 + (k >> 1)] : o[d];
+    const float v = o[nibble_position(d, nibble_group)];
     if (P.qtype == kBF16) static_cast<c10::BFloat16*>(P.out)[at + d] = c10::BFloat16(v);
     else if (P.qtype == kF16) static_cast<c10::Half*>(P.out)[at + d] = c10::Half(v);
     else static_cast<float*>(P.out)[at + d] = v;
@@ -283,7 +291,7 @@ void task_scalar(const Problem& P, int64_t b, int64_t h) {
     const float inv = l[i] > 0.f ? 1.f / l[i] : 0.f;
     for (int64_t d = 0; d < D; ++d) val[d] = (acc[i * D + d] + z[i]) * inv;
     if (P.value_lloyd_max) rotate_in_place(val.data(), D, P.h_entry);
-    store_output(P, first + i / G, h * G + i % G, val.data(), false);
+    store_output(P, first + i / G, h * G + i % G, val.data(), 0);
   }
 }
 
@@ -433,12 +441,12 @@ TQKV_AVX2 inline __m256 dot8(const float* q, const float* keys) {
 // vector. The tile's keys [TP, D] (stored basis) with logit factors kf[TP] (scale times nf), its values
 // [TP, D] (centred codes, or centroids in the rotated basis) with factors vs[TP] and offsets vz[TP]; with key
 // outliers, their channels out_index[o TP + r] and logit terms out_coef[o TP + r] (scale (outlier - nf (c H)_k)).
-template <int D>
+template <int D, int TILE = 2048 / D>
 struct TaskState {
-  static constexpr int TP = 2048 / D;  // positions a tile: 32 / 16 / 8
+  static constexpr int TP = TILE;  // positions a tile (AVX2: 32 / 16 / 8 at heads 64 / 128 / 256)
   int64_t first, n, L, G, nq, outliers;
   std::vector<float> queries, originals, keys, vals, acc, scores, m, l, z;
-  alignas(32) float kf[TP] = {}, vs[TP] = {}, vz[TP] = {}, w[TP] = {}, sumsq[8 * TP] = {}, vsumsq[8 * TP] = {};
+  alignas(64) float kf[TP] = {}, vs[TP] = {}, vz[TP] = {}, w[TP] = {}, sumsq[8 * TP] = {}, vsumsq[8 * TP] = {};
   alignas(32) int32_t out_index[kMaxOutliers * TP] = {};
   alignas(32) float out_coef[kMaxOutliers * TP] = {};
 
@@ -523,14 +531,14 @@ TQKV_AVX2 inline void attend_tile(TaskState<D>& S, int64_t t0, int len) {
 
 // The task's outputs: (acc + z) / l per query vector, rotated back to the original basis for Lloyd-Max values,
 // put back in order from nibble order for vLLM's 4-bit values.
-template <int D>
-TQKV_AVX2 void store_outputs(const Problem& P, TaskState<D>& S, int64_t h, bool nibble_order, bool rotate_values) {
+template <int D, int TP>
+TQKV_AVX2 void store_outputs(const Problem& P, TaskState<D, TP>& S, int64_t h, int nibble_group, bool rotate_values) {
   for (int64_t i = 0; i < S.nq; ++i) {
     float* a = S.acc.data() + i * D;
     const __m256 inv = _mm256_set1_ps(S.l[i] > 0.f ? 1.f / S.l[i] : 0.f), zi = _mm256_set1_ps(S.z[i]);
     for (int c = 0; c < D; c += 8) _mm256_storeu_ps(a + c, _mm256_mul_ps(_mm256_add_ps(_mm256_loadu_ps(a + c), zi), inv));
     if (rotate_values) rotate_in_place(a, D, P.h_entry);
-    store_output(P, S.first + i / S.G, h * S.G + i % S.G, a, nibble_order);
+    store_output(P, S.first + i / S.G, h * S.G + i % S.G, a, nibble_group);
   }
 }
 
@@ -610,7 +618,7 @@ TQKV_AVX2 void task_avx2(const Problem& P, int64_t b, int64_t h) {
     }
     attend_tile<D, false>(S, t0, len);
   }
-  store_outputs(P, S, h, VB == 4, false);
+  store_outputs(P, S, h, VB == 4 ? 16 : 0, false);
 }
 
 // ---------------------------------------------------------------------------------------------------------
@@ -753,7 +761,7 @@ TQKV_AVX2 void task_avx2_general(const Problem& P, int64_t b, int64_t h) {
     }
     attend_tile<D, OUTLIERS>(S, t0, len);
   }
-  store_outputs(P, S, h, false, P.value_lloyd_max);
+  store_outputs(P, S, h, 0, P.value_lloyd_max);
 }
 
 using Task = void (*)(const Problem&, int64_t, int64_t);
@@ -781,12 +789,285 @@ Task pick_avx2(const Problem& P, bool vllm_layout) {
   return nullptr;
 }
 
+// ---------------------------------------------------------------------------------------------------------
+// vLLM's slot layouts with AVX-512 (F, BW, DQ, VL), where the CPU has it: sixteen lanes, a 4-bit code's
+// centroid in one permute (vpermps reads an index's low 4 bits, so a byte's low nibble needs no mask), scores
+// for 16 positions as one vector (reduce16), and the P.V sums for up to 4 query vectors from one load of each
+// decoded value. 4-bit fields are decoded in nibble order of 32 coordinates (the 16 even ones, then the 16 odd
+// ones, from 16 bytes); tiles of at least 16 positions.
+
+#define TQKV_AVX512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx2,fma,f16c")))
+
+TQKV_AVX512 inline __m512 exp512(__m512 x) {  // exp256's polynomial, 16 lanes; x <= 0 here
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
+  const __m512 fx = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
+                                         _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(0.693359375f), x);
+  x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(-2.12194440e-4f), x);
+  __m512 y = _mm512_set1_ps(1.9875691500E-4f);
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507E-3f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073E-3f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894E-2f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459E-1f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201E-1f));
+  y = _mm512_fmadd_ps(y, _mm512_mul_ps(x, x), _mm512_add_ps(x, _mm512_set1_ps(1.f)));
+  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(fx), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(y, _mm512_castsi512_ps(e));
+}
+
+// Lane r of the result: the sum of a[r]'s lanes (a transpose-and-add tree: 45 instructions for 16 sums).
+TQKV_AVX512 inline __m512 reduce16(const __m512* a) {
+  __m512 x[8], y[4];
+  for (int i = 0; i < 8; ++i)  // 128-bit block: [a_2i: 0+2, a_2i+1: 0+2, a_2i: 1+3, a_2i+1: 1+3]
+    x[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+  for (int i = 0; i < 4; ++i)  // 128-bit block j: a_4i .. a_4i+3, each summed over the block's 4 lanes
+    y[i] = _mm512_add_ps(_mm512_shuffle_ps(x[2 * i], x[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(x[2 * i], x[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  // block k of the result: y_k's four blocks summed
+  const __m512 s01 = _mm512_add_ps(_mm512_shuffle_f32x4(y[0], y[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                   _mm512_shuffle_f32x4(y[0], y[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  const __m512 s23 = _mm512_add_ps(_mm512_shuffle_f32x4(y[2], y[3], _MM_SHUFFLE(2, 0, 2, 0)),
+                                   _mm512_shuffle_f32x4(y[2], y[3], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(s01, s23, _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(s01, s23, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// Sixteen dot products <q, k_r> (k_r = keys + r D), as one vector (lane r).
+template <int D>
+TQKV_AVX512 inline __m512 dot16(const float* q, const float* keys) {
+  __m512 a[16];
+#pragma GCC unroll 16
+  for (int r = 0; r < 16; ++r) a[r] = _mm512_setzero_ps();
+#pragma GCC unroll 4
+  for (int c = 0; c < D; c += 16) {
+    const __m512 qc = _mm512_loadu_ps(q + c);
+#pragma GCC unroll 16
+    for (int r = 0; r < 16; ++r) a[r] = _mm512_fmadd_ps(qc, _mm512_loadu_ps(keys + r * D + c), a[r]);
+  }
+  return reduce16(a);
+}
+
+TQKV_AVX512 inline __m512 fp8x16(const uint8_t* p) {
+  const __m512i x = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m512i mag = _mm512_and_si512(x, _mm512_set1_epi32(0x7f));
+  const __m512 normal = _mm512_castsi512_ps(_mm512_add_epi32(_mm512_slli_epi32(mag, 20), _mm512_set1_epi32(120 << 23)));
+  const __m512 sub = _mm512_mul_ps(_mm512_cvtepi32_ps(mag), _mm512_set1_ps(0.001953125f));
+  const __m512 v = _mm512_mask_blend_ps(_mm512_cmplt_epi32_mask(mag, _mm512_set1_epi32(8)), normal, sub);
+  const __m512i sign = _mm512_slli_epi32(_mm512_and_si512(x, _mm512_set1_epi32(0x80)), 24);
+  return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(v), sign));
+}
+
+// Sixteen 3-bit codes from code 16 c on, as int32 lanes (two of codes8's).
+TQKV_AVX512 inline __m512i codes16_3(const uint8_t* codes, int64_t c) {
+  return _mm512_inserti64x4(_mm512_castsi256_si512(codes8<3>(codes, 2 * c)), codes8<3>(codes, 2 * c + 1), 1);
+}
+
+// acc[i] = alpha[i] acc[i] + sum_{r < rows} w[i][r] vals_r for QN query vectors (acc + i D), every decoded value
+// loaded once for all of them.
+template <int D, int TP, int QN>
+TQKV_AVX512 inline void accumulate_values(float* acc, const float* vals, const float (*w)[TP], const float* alpha,
+                                          int rows) {
+  constexpr int C = D / 16;
+  __m512 a[QN][C];
+#pragma GCC unroll 4
+  for (int i = 0; i < QN; ++i) {
+    const __m512 va = _mm512_set1_ps(alpha[i]);
+#pragma GCC unroll 16
+    for (int c = 0; c < C; ++c) a[i][c] = _mm512_mul_ps(va, _mm512_loadu_ps(acc + i * D + 16 * c));
+  }
+  for (int r = 0; r < rows; ++r) {
+    __m512 wr[QN];
+#pragma GCC unroll 4
+    for (int i = 0; i < QN; ++i) wr[i] = _mm512_set1_ps(w[i][r]);
+#pragma GCC unroll 16
+    for (int c = 0; c < C; ++c) {
+      const __m512 v = _mm512_loadu_ps(vals + r * D + 16 * c);
+#pragma GCC unroll 4
+      for (int i = 0; i < QN; ++i) a[i][c] = _mm512_fmadd_ps(wr[i], v, a[i][c]);
+    }
+  }
+#pragma GCC unroll 4
+  for (int i = 0; i < QN; ++i)
+#pragma GCC unroll 16
+    for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc + i * D + 16 * c, a[i][c]);
+}
+
+// attend_tile with 16 lanes: per block of up to QB query vectors their scores and online-softmax weights, then
+// their P.V sums together.
+template <int D, int TP>
+TQKV_AVX512 inline void attend_tile512(TaskState<D, TP>& S, int64_t t0, int len) {
+  static_assert(TP % 16 == 0, "tiles of whole 16-position groups");
+  constexpr int QB = D == 64 ? 4 : D == 128 ? 2 : 1;  // the block's accumulators fill 16 registers
+  const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  alignas(64) float s[TP];
+  alignas(64) float w[QB][TP];
+  float alpha[QB];
+  for (int64_t i0 = 0; i0 < S.nq; i0 += QB) {
+    const int qn = int(std::min<int64_t>(QB, S.nq - i0));
+    int rows = 0;
+    for (int ii = 0; ii < qn; ++ii) {
+      const int64_t i = i0 + ii, j = i / S.G;
+      const int valid = int(std::min<int64_t>(len, S.L - S.n + j - t0 + 1));  // causal, bottom-right aligned
+      if (valid <= 0) {
+        alpha[ii] = 1.f;
+        for (int r = 0; r < TP; r += 16) _mm512_store_ps(w[ii] + r, _mm512_setzero_ps());
+        continue;
+      }
+      rows = std::max(rows, valid);
+      const float* q = S.queries.data() + i * D;
+      __m512 mx = _mm512_set1_ps(kNegInf);
+      for (int r = 0; r < valid; r += 16) {
+        const __m512 sr = _mm512_mul_ps(dot16<D>(q, S.keys.data() + r * D), _mm512_load_ps(S.kf + r));
+        _mm512_store_ps(s + r, sr);
+        mx = _mm512_mask_max_ps(mx, _mm512_cmpgt_epi32_mask(_mm512_set1_epi32(valid - r), iota), mx, sr);
+      }
+      const float m_new = std::max(S.m[i], _mm512_reduce_max_ps(mx));
+      alpha[ii] = S.m[i] == kNegInf ? 0.f : std::exp(S.m[i] - m_new);
+      S.m[i] = m_new;
+      __m512 psum = _mm512_setzero_ps(), zsum = _mm512_setzero_ps();
+      for (int r = 0; r < TP; r += 16) {
+        const __mmask16 keep = _mm512_cmpgt_epi32_mask(_mm512_set1_epi32(valid - r), iota);
+        if (!keep) {
+          _mm512_store_ps(w[ii] + r, _mm512_setzero_ps());
+          continue;
+        }
+        const __m512 p = _mm512_maskz_mov_ps(keep, exp512(_mm512_sub_ps(_mm512_load_ps(s + r), _mm512_set1_ps(m_new))));
+        psum = _mm512_add_ps(psum, p);
+        zsum = _mm512_fmadd_ps(p, _mm512_load_ps(S.vz + r), zsum);
+        _mm512_store_ps(w[ii] + r, _mm512_mul_ps(p, _mm512_load_ps(S.vs + r)));
+      }
+      S.l[i] = S.l[i] * alpha[ii] + _mm512_reduce_add_ps(psum);
+      S.z[i] = S.z[i] * alpha[ii] + _mm512_reduce_add_ps(zsum);
+    }
+    if (!rows) continue;
+    float* acc = S.acc.data() + i0 * D;
+    switch (qn) {
+      case 1: accumulate_values<D, TP, 1>(acc, S.vals.data(), w, alpha, rows); break;
+      case 2: if constexpr (QB >= 2) accumulate_values<D, TP, 2>(acc, S.vals.data(), w, alpha, rows); break;
+      case 3: if constexpr (QB >= 3) accumulate_values<D, TP, 3>(acc, S.vals.data(), w, alpha, rows); break;
+      default: if constexpr (QB >= 4) accumulate_values<D, TP, 4>(acc, S.vals.data(), w, alpha, rows); break;
+    }
+  }
+}
+
+// task_avx2's work with 16 lanes: KK 8 (fp8), 4 or 3-bit keys, VB 4 or 3-bit uniform values.
+template <int D, int KK, int VB>
+TQKV_AVX512 void task_avx512(const Problem& P, int64_t b, int64_t h) {
+  constexpr int TP = D == 64 ? 32 : 16;
+  TaskState<D, TP> S(P, b, h, 0);
+  if (S.nq == 0) return;
+  if constexpr (KK == 4) {  // the query in the keys' nibble order
+    for (int64_t i = 0; i < S.nq; ++i) {
+      float* q = S.queries.data() + i * D;
+      float tmp[D];
+      std::memcpy(tmp, q, sizeof(tmp));
+      for (int d = 0; d < D; ++d) q[nibble_position(d, 32)] = tmp[d];
+    }
+  }
+  const __m512 table = _mm512_loadu_ps(P.key_table);  // 16 centroids (3-bit: 8, then zeros)
+  constexpr float mid = 0.5f * float((1 << VB) - 1);
+  const __m512 vmid = _mm512_set1_ps(mid);
+  const __m512i low = _mm512_set1_epi32(15);
+  alignas(64) float sumsq[16 * TP] = {};
+  for (int64_t t0 = 0; t0 < S.L; t0 += TP) {
+    const int len = int(std::min<int64_t>(TP, S.L - t0));
+    int64_t blk_index = t0 / P.block_size, in_block = t0 % P.block_size;
+    const uint8_t* block = P.cache + int64_t(P.block_table[b * P.bt_stride + blk_index]) * P.s0 + h * P.s2;
+    for (int r = 0; r < len; ++r) {
+      if (in_block == P.block_size) {
+        in_block = 0;
+        block = P.cache + int64_t(P.block_table[b * P.bt_stride + ++blk_index]) * P.s0 + h * P.s2;
+      }
+      const uint8_t* slot = block + in_block++ * P.s1;
+      float* k = S.keys.data() + r * D;
+      if constexpr (KK == 8) {
+        for (int c = 0; c < D; c += 16) _mm512_storeu_ps(k + c, fp8x16(slot + c));
+        S.kf[r] = P.scale;
+      } else {
+        __m512 ss = _mm512_setzero_ps();
+        if constexpr (KK == 4) {
+          for (int c = 0; c < D; c += 32) {
+            const __m512i x = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(slot + c / 2)));
+            const __m512 even = _mm512_permutexvar_ps(x, table), odd = _mm512_permutexvar_ps(_mm512_srli_epi32(x, 4), table);
+            _mm512_storeu_ps(k + c, even);
+            _mm512_storeu_ps(k + c + 16, odd);
+            ss = _mm512_fmadd_ps(odd, odd, _mm512_fmadd_ps(even, even, ss));
+          }
+        } else {
+          for (int c = 0; c < D / 16; ++c) {
+            const __m512 v = _mm512_permutexvar_ps(codes16_3(slot, c), table);
+            _mm512_storeu_ps(k + 16 * c, v);
+            ss = _mm512_fmadd_ps(v, v, ss);
+          }
+        }
+        _mm512_store_ps(sumsq + 16 * r, ss);
+        S.kf[r] = P.scale * half_f16c(slot + P.key_code_bytes);
+      }
+      const uint8_t* vcodes = slot + P.key_bytes;
+      float* v = S.vals.data() + r * D;
+      if constexpr (VB == 4) {
+        for (int c = 0; c < D; c += 32) {
+          const __m512i x = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(vcodes + c / 2)));
+          _mm512_storeu_ps(v + c, _mm512_sub_ps(_mm512_cvtepi32_ps(_mm512_and_si512(x, low)), vmid));
+          _mm512_storeu_ps(v + c + 16, _mm512_sub_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(x, 4)), vmid));
+        }
+      } else {
+        for (int c = 0; c < D / 16; ++c)
+          _mm512_storeu_ps(v + 16 * c, _mm512_sub_ps(_mm512_cvtepi32_ps(codes16_3(vcodes, c)), vmid));
+      }
+      S.vs[r] = half_f16c(vcodes + P.value_code_bytes);
+      S.vz[r] = half_f16c(vcodes + P.value_code_bytes + 2) + mid * S.vs[r];
+    }
+    if constexpr (KK != 8) {
+      if (P.norm_correction) {  // kf /= ||c||, 16 positions at a time
+        for (int r = 0; r < len; r += 16) {
+          __m512 rows16[16];
+          for (int i = 0; i < 16; ++i) rows16[i] = _mm512_load_ps(sumsq + 16 * (r + i));
+          const __m512 norms = _mm512_sqrt_ps(_mm512_add_ps(reduce16(rows16), _mm512_set1_ps(1e-16f)));
+          _mm512_store_ps(S.kf + r, _mm512_div_ps(_mm512_load_ps(S.kf + r), norms));
+        }
+      }
+    }
+    attend_tile512<D, TP>(S, t0, len);
+  }
+  store_outputs(P, S, h, VB == 4 ? 32 : 0, false);
+}
+
+template <int D>
+Task pick_avx512_for(const Problem& P) {
+  if (P.value_bits == 4) {
+    if (P.key_kind == 8) return task_avx512<D, 8, 4>;
+    if (P.key_kind == 4) return task_avx512<D, 4, 4>;
+    if (P.key_kind == 3) return task_avx512<D, 3, 4>;
+  } else if (P.value_bits == 3) {
+    if (P.key_kind == 8) return task_avx512<D, 8, 3>;
+    if (P.key_kind == 4) return task_avx512<D, 4, 3>;
+    if (P.key_kind == 3) return task_avx512<D, 3, 3>;
+  }
+  return nullptr;
+}
+
+// vLLM's slot layouts only (the general path stays AVX2)
+Task pick_avx512(const Problem& P) {
+  if (P.D == 64) return pick_avx512_for<64>(P);
+  if (P.D == 128) return pick_avx512_for<128>(P);
+  if (P.D == 256) return pick_avx512_for<256>(P);
+  return nullptr;
+}
+
+bool cpu_has_avx512() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
+}
+
 bool cpu_has_avx2() {
   __builtin_cpu_init();
   return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
 }
 #else
 bool cpu_has_avx2() { return false; }
+bool cpu_has_avx512() { return false; }
 #endif
 
 // ---------------------------------------------------------------------------------------------------------
@@ -796,7 +1077,7 @@ void decode_attention(const at::Tensor& query, const at::Tensor& cache, const at
                       const at::Tensor& hadamard, at::Tensor out,
                       double scale, int64_t key_kind, int64_t key_wide, int64_t key_outliers, bool norm_correction,
                       int64_t value_bits, int64_t value_wide, bool value_lloyd_max, int64_t key_code_bytes,
-                      int64_t key_bytes, int64_t value_code_bytes, int64_t slot_bytes, bool vectorized) {
+                      int64_t key_bytes, int64_t value_code_bytes, int64_t slot_bytes, int64_t isa) {
   TORCH_CHECK(query.device().is_cpu() && query.dim() == 3 && (query.size(2) <= 1 || query.stride(2) == 1),
               "query: [T, Hq, D] on the CPU, its last dimension contiguous");
   const auto qt = query.scalar_type();
@@ -861,10 +1142,14 @@ void decode_attention(const at::Tensor& query, const at::Tensor& cache, const at
 
   void (*task)(const Problem&, int64_t, int64_t) = task_scalar;
 #ifdef TQKV_X86
-  if (vectorized && cpu_has_avx2()) {
+  TORCH_CHECK(isa >= 0 && isa <= 2, "isa: 0 (portable), 1 (AVX2) or 2 (AVX-512 where the CPU has it)");
+  if (isa >= 1 && cpu_has_avx2()) {
     const bool vllm_layout = !value_lloyd_max && !key_wide && !value_wide && !key_outliers &&
                              (key_kind == 8 || key_kind == 3 || key_kind == 4) && (value_bits == 3 || value_bits == 4);
     if (auto picked = pick_avx2(P, vllm_layout)) task = picked;
+    if (isa >= 2 && vllm_layout && cpu_has_avx512()) {
+      if (auto picked = pick_avx512(P)) task = picked;
+    }
   }
 #endif
   const int64_t batch = seq_lens.numel(), Hk = P.Hk;
@@ -879,6 +1164,7 @@ void decode_attention(const at::Tensor& query, const at::Tensor& cache, const at
 }
 
 bool has_avx2() { return cpu_has_avx2(); }
+bool has_avx512() { return cpu_has_avx512(); }
 
 // ---------------------------------------------------------------------------------------------------------
 // kv_write: the codec's encode (codec.py) of a few tokens, for decode steps, where the PyTorch encode's ~40
@@ -1029,9 +1315,10 @@ TORCH_LIBRARY(tqkv_cpu, m) {
   m.def("decode_attention(Tensor query, Tensor kv_cache, Tensor block_table, Tensor seq_lens, Tensor starts, "
         "Tensor tables, Tensor hadamard, Tensor(a!) out, float scale, int key_kind, int key_wide, int key_outliers, "
         "bool norm_correction, int value_bits, int value_wide, bool value_lloyd_max, int key_code_bytes, "
-        "int key_bytes, int value_code_bytes, int slot_bytes, bool vectorized) -> ()");
+        "int key_bytes, int value_code_bytes, int slot_bytes, int isa) -> ()");
   m.impl("decode_attention", c10::DispatchKey::CPU, TORCH_FN(decode_attention));
   m.def("has_avx2() -> bool", TORCH_FN(has_avx2));
+  m.def("has_avx512() -> bool", TORCH_FN(has_avx512));
   m.def("kv_write(Tensor key, Tensor value, Tensor(a!) kv_cache, Tensor slot_mapping, Tensor tables, int key_kind, "
         "int key_wide, int key_outliers, bool norm_at_write, int value_bits, int value_wide, bool value_lloyd_max, "
         "int key_code_bytes, int key_bytes, int value_code_bytes, int slot_bytes) -> ()");

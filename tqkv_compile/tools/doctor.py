@@ -146,7 +146,8 @@ def _cpu_backend() -> Finding:
     if not cpu_kernel.load():
         return Finding("cpu backend", "pytorch, decode through PyTorch ops: the native kernel could not be built",
                        "install a C++ compiler (g++) and ninja, then run again")
-    isa = "AVX2 + FMA" if cpu_kernel.has_avx2() else "portable C++ (no AVX2 on this CPU: ~8x slower)"
+    isa = ("AVX-512 for vLLM's presets, AVX2 + FMA for ours" if cpu_kernel.has_avx512() else
+           "AVX2 + FMA" if cpu_kernel.has_avx2() else "portable C++ (no AVX2 on this CPU: ~8x slower)")
     return Finding("cpu backend", f"pytorch with the native decode kernel ({isa}) for every preset")
 
 
