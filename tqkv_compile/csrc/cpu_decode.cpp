@@ -862,11 +862,28 @@ TQKV_AVX512 inline __m512i codes16_3(const uint8_t* codes, int64_t c) {
   return _mm512_inserti64x4(_mm512_castsi256_si512(codes8<3>(codes, 2 * c)), codes8<3>(codes, 2 * c + 1), 1);
 }
 
-// acc[i] = alpha[i] acc[i] + sum_{r < rows} w[i][r] vals_r for QN query vectors (acc + i D), every decoded value
-// loaded once for all of them.
-template <int D, int TP, int QN>
-TQKV_AVX512 inline void accumulate_values(float* acc, const float* vals, const float (*w)[TP], const float* alpha,
-                                          int rows) {
+// Position r's centred value codes (code - (2^VB - 1) / 2, from the table `centred`) into v[D / 16]: 4-bit codes
+// in nibble order of 32 coordinates.
+template <int D, int VB>
+TQKV_AVX512 inline void centred_values(const uint8_t* codes, __m512 centred, __m512* v) {
+  if constexpr (VB == 4) {
+#pragma GCC unroll 8
+    for (int c = 0; c < D / 32; ++c) {
+      const __m512i x = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + 16 * c)));
+      v[2 * c] = _mm512_permutexvar_ps(x, centred);  // vpermps reads the index's low 4 bits: the low nibble
+      v[2 * c + 1] = _mm512_permutexvar_ps(_mm512_srli_epi32(x, 4), centred);
+    }
+  } else {
+#pragma GCC unroll 16
+    for (int c = 0; c < D / 16; ++c) v[c] = _mm512_permutexvar_ps(codes16_3(codes, c), centred);
+  }
+}
+
+// acc[i] = alpha[i] acc[i] + sum_{r < rows} w[i][r] values_r for QN query vectors (acc + i D), each position's
+// value codes (at codes[r]) decoded in registers once for all of them.
+template <int D, int TP, int QN, int VB>
+TQKV_AVX512 inline void accumulate_values(float* acc, const uint8_t* const* codes, __m512 centred,
+                                          const float (*w)[TP], const float* alpha, int rows) {
   constexpr int C = D / 16;
   __m512 a[QN][C];
 #pragma GCC unroll 4
@@ -879,11 +896,12 @@ TQKV_AVX512 inline void accumulate_values(float* acc, const float* vals, const f
     __m512 wr[QN];
 #pragma GCC unroll 4
     for (int i = 0; i < QN; ++i) wr[i] = _mm512_set1_ps(w[i][r]);
+    __m512 v[C];
+    centred_values<D, VB>(codes[r], centred, v);
 #pragma GCC unroll 16
     for (int c = 0; c < C; ++c) {
-      const __m512 v = _mm512_loadu_ps(vals + r * D + 16 * c);
 #pragma GCC unroll 4
-      for (int i = 0; i < QN; ++i) a[i][c] = _mm512_fmadd_ps(wr[i], v, a[i][c]);
+      for (int i = 0; i < QN; ++i) a[i][c] = _mm512_fmadd_ps(wr[i], v[c], a[i][c]);
     }
   }
 #pragma GCC unroll 4
@@ -894,8 +912,9 @@ TQKV_AVX512 inline void accumulate_values(float* acc, const float* vals, const f
 
 // attend_tile with 16 lanes: per block of up to QB query vectors their scores and online-softmax weights, then
 // their P.V sums together.
-template <int D, int TP>
-TQKV_AVX512 inline void attend_tile512(TaskState<D, TP>& S, int64_t t0, int len) {
+template <int D, int TP, int VB>
+TQKV_AVX512 inline void attend_tile512(TaskState<D, TP>& S, int64_t t0, int len, const uint8_t* const* codes,
+                                       __m512 centred) {
   static_assert(TP % 16 == 0, "tiles of whole 16-position groups");
   constexpr int QB = D == 64 ? 4 : D == 128 ? 2 : 1;  // the block's accumulators fill 16 registers
   const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
@@ -942,10 +961,10 @@ TQKV_AVX512 inline void attend_tile512(TaskState<D, TP>& S, int64_t t0, int len)
     if (!rows) continue;
     float* acc = S.acc.data() + i0 * D;
     switch (qn) {
-      case 1: accumulate_values<D, TP, 1>(acc, S.vals.data(), w, alpha, rows); break;
-      case 2: if constexpr (QB >= 2) accumulate_values<D, TP, 2>(acc, S.vals.data(), w, alpha, rows); break;
-      case 3: if constexpr (QB >= 3) accumulate_values<D, TP, 3>(acc, S.vals.data(), w, alpha, rows); break;
-      default: if constexpr (QB >= 4) accumulate_values<D, TP, 4>(acc, S.vals.data(), w, alpha, rows); break;
+      case 1: accumulate_values<D, TP, 1, VB>(acc, codes, centred, w, alpha, rows); break;
+      case 2: if constexpr (QB >= 2) accumulate_values<D, TP, 2, VB>(acc, codes, centred, w, alpha, rows); break;
+      case 3: if constexpr (QB >= 3) accumulate_values<D, TP, 3, VB>(acc, codes, centred, w, alpha, rows); break;
+      default: if constexpr (QB >= 4) accumulate_values<D, TP, 4, VB>(acc, codes, centred, w, alpha, rows); break;
     }
   }
 }
@@ -966,9 +985,10 @@ TQKV_AVX512 void task_avx512(const Problem& P, int64_t b, int64_t h) {
   }
   const __m512 table = _mm512_loadu_ps(P.key_table);  // 16 centroids (3-bit: 8, then zeros)
   constexpr float mid = 0.5f * float((1 << VB) - 1);
-  const __m512 vmid = _mm512_set1_ps(mid);
-  const __m512i low = _mm512_set1_epi32(15);
+  const __m512 centred = _mm512_sub_ps(_mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                       _mm512_set1_ps(mid));
   alignas(64) float sumsq[16 * TP] = {};
+  const uint8_t* value_codes[TP];
   for (int64_t t0 = 0; t0 < S.L; t0 += TP) {
     const int len = int(std::min<int64_t>(TP, S.L - t0));
     int64_t blk_index = t0 / P.block_size, in_block = t0 % P.block_size;
@@ -1003,18 +1023,7 @@ TQKV_AVX512 void task_avx512(const Problem& P, int64_t b, int64_t h) {
         _mm512_store_ps(sumsq + 16 * r, ss);
         S.kf[r] = P.scale * half_f16c(slot + P.key_code_bytes);
       }
-      const uint8_t* vcodes = slot + P.key_bytes;
-      float* v = S.vals.data() + r * D;
-      if constexpr (VB == 4) {
-        for (int c = 0; c < D; c += 32) {
-          const __m512i x = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(vcodes + c / 2)));
-          _mm512_storeu_ps(v + c, _mm512_sub_ps(_mm512_cvtepi32_ps(_mm512_and_si512(x, low)), vmid));
-          _mm512_storeu_ps(v + c + 16, _mm512_sub_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(x, 4)), vmid));
-        }
-      } else {
-        for (int c = 0; c < D / 16; ++c)
-          _mm512_storeu_ps(v + 16 * c, _mm512_sub_ps(_mm512_cvtepi32_ps(codes16_3(vcodes, c)), vmid));
-      }
+      const uint8_t* vcodes = value_codes[r] = slot + P.key_bytes;  // decoded where the P.V sums read them
       S.vs[r] = half_f16c(vcodes + P.value_code_bytes);
       S.vz[r] = half_f16c(vcodes + P.value_code_bytes + 2) + mid * S.vs[r];
     }
@@ -1028,7 +1037,7 @@ TQKV_AVX512 void task_avx512(const Problem& P, int64_t b, int64_t h) {
         }
       }
     }
-    attend_tile512<D, TP>(S, t0, len);
+    attend_tile512<D, TP, VB>(S, t0, len, value_codes, centred);
   }
   store_outputs(P, S, h, VB == 4 ? 32 : 0, false);
 }
