@@ -65,7 +65,14 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 import tqkv_compile  # noqa: E402
-from tqkv_compile.lowerings import triton_attention as ta  # noqa: E402
+import tqkv_compile.lowerings  # noqa: E402
+
+# the stream kernel's module (older trees: triton_attention), judged by the file: under --tree the editable
+# install still finds this checkout's decode_stream.py for a tree that has none
+if os.path.exists(os.path.join(os.path.dirname(tqkv_compile.lowerings.__file__), "decode_stream.py")):
+    from tqkv_compile.lowerings import decode_stream as ds  # noqa: E402
+else:
+    from tqkv_compile.lowerings import triton_attention as ds  # noqa: E402
 
 PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
 CUOBJDUMP = os.path.join(os.path.dirname(PTXAS), "cuobjdump")
@@ -141,32 +148,32 @@ def stream_kernel(preset_name: str, dim: int, block_n: int, warps: int, maxnreg:
                       KEY_FP8=p.key_fp8, KEY_CODE_BYTES=p.key_code_bytes, NORM_CORRECTION=p.norm_correction,
                       VALUE_OFFSET=p.key_bytes, VALUE_CODE_BYTES=p.value_code_bytes, DOT_FP32=False,
                       KEY_WORD=key_word, VALUE_WORD=value_word, PREFETCH=prefetch, ASM=True,
-                      **({'INDEX32': index32} if 'INDEX32' in ta._decode_stream_kernel.arg_names else {}))
+                      **({'INDEX32': index32} if 'INDEX32' in ds._decode_stream_kernel.arg_names else {}))
     if query_in_kernel is None:  # the launcher's default for a bf16 query on the GPU (older trees: none)
-        rule = getattr(ta, "query_in_stream_kernel", None)
+        rule = getattr(ds, "query_in_stream_kernel", None)
         query_in_kernel = bool(rule and rule(p, torch.bfloat16, interpret=False))
-    query_in_kernel = query_in_kernel and "QUERY_IN_KERNEL" in ta._decode_stream_kernel.arg_names  # (older trees)
-    if "QUERY_IN_KERNEL" in ta._decode_stream_kernel.arg_names:  # a bf16 query prepared in the kernel
-        scale = 0.125 * ta.LOG2E / (1.0 if p.key_fp8 else dim ** 0.5)
+    query_in_kernel = query_in_kernel and "QUERY_IN_KERNEL" in ds._decode_stream_kernel.arg_names  # (older trees)
+    if "QUERY_IN_KERNEL" in ds._decode_stream_kernel.arg_names:  # a bf16 query prepared in the kernel
+        scale = 0.125 * ds.LOG2E / (1.0 if p.key_fp8 else dim ** 0.5)
         pre = 2.0 ** math.floor(math.log2(scale))
         constexprs.update(QUERY_IN_KERNEL=query_in_kernel, ROTATE_QUERY=not p.key_fp8, Q_PRE=pre,
                           Q_POST=scale / pre)
-    if "MERGE" in ta._decode_stream_kernel.arg_names:
+    if "MERGE" in ds._decode_stream_kernel.arg_names:
         constexprs.update(MERGE=merge)
     elif merge:
         print("--merge: this tree's kernel has no in-launch merge (removed after bd688d7); ignored", file=sys.stderr)
-    if "KEY_BITS" in ta._decode_stream_kernel.arg_names:  # (trees before the 3-bit fields)
+    if "KEY_BITS" in ds._decode_stream_kernel.arg_names:  # (trees before the 3-bit fields)
         constexprs.update(KEY_BITS=p.key_bits, VALUE_BITS=p.value_bits)
-    if "GDC" in ta._decode_stream_kernel.arg_names:
+    if "GDC" in ds._decode_stream_kernel.arg_names:
         constexprs.update(GDC=pdl)
-    if "NC_DOT" in ta._decode_stream_kernel.arg_names:  # trees up to 07a1e9e: the query group as the dots' M side
+    if "NC_DOT" in ds._decode_stream_kernel.arg_names:  # trees up to 07a1e9e: the query group as the dots' M side
         constexprs.update(NC_DOT=True)
     else:  # the dots turned around: the query group is their N side, padded to 8
         constexprs.update(BLOCK_H=block_h)
     pointers = dict(q_ptr="*bf16" if query_in_kernel else "*fp32", signs_ptr="*fp16", out_ptr="*bf16", count_ptr="*i32", cache_ptr="*u8", block_table_ptr="*i32", seq_lens_ptr="*i32", qsl_ptr="*i32",
                     cent_ptr="*fp32", key_lut_ptr="*i32", value_lut_ptr="*i32", part_out_ptr="*fp32",
                     part_lse_ptr="*fp32")  # (value_lut_ptr: older commits' kernels)
-    fn = ta._decode_stream_kernel
+    fn = ds._decode_stream_kernel
     signature = {n: "constexpr" if n in constexprs else pointers.get(n, "i32") for n in fn.arg_names}
     return stats(fn, signature, constexprs, warps, 1, maxnreg)
 

@@ -1,7 +1,7 @@
 """The fragment kernel: decode attention for 4-bit Lloyd-Max or fp8 keys and 4-bit uniform values, in Gluon
 (Triton's explicit-layout dialect) so that every thread loads exactly the codes of its own tensor-core fragments.
 
-Why. The stream kernel (:mod:`triton_attention`) is issue-bound, not memory-bound: Triton lays its loaded words
+Why. The stream kernel (:mod:`decode_stream`) is issue-bound, not memory-bound: Triton lays its loaded words
 out for coalescing, unpacks them there, and then moves the dequantized fp16 tiles into the mma operand layout
 through shared memory (stores, barriers, ldmatrix) with register moves on both sides. Here the coordinate order
 is ours to choose (the query is permuted the same way; the output is stored back in natural order), so it is
@@ -420,7 +420,7 @@ if gluon is not None:
     @gluon.jit
     def _lut4_pairs(words, t0, t1, t2, t3, t4, t5, t6, t7):
         """int32 words (low 16 bits: four 4-bit codes) -> the fp16 pairs (codes 0, 1) and (codes 2, 3): the
-        stream kernel's byte-permute lookup (:func:`triton_attention._lut4_fp16`), each pair in one register."""
+        stream kernel's byte-permute lookup (:func:`device_helpers.lut4_fp16`), each pair in one register."""
         return gl.inline_asm_elementwise(
             """{
             .reg .b32 f, s, m, ll, lu, hl, hu, lo, hi;
@@ -503,7 +503,7 @@ if gluon is not None:
     @gluon.jit
     def _fp8_pairs(words):
         """int32 words of four fp8 e4m3 codes -> the fp16 pairs (codes 0, 1) and (codes 2, 3), by the hardware's
-        two-at-a-time conversion (the stream kernel's :func:`triton_attention._fp8x4_fp16`, each pair in one
+        two-at-a-time conversion (the stream kernel's :func:`device_helpers.fp8x4_fp16`, each pair in one
         register)."""
         return gl.inline_asm_elementwise(
             """{
@@ -518,7 +518,7 @@ if gluon is not None:
     def _value_pairs(words):
         """int32 words (low 16 bits: four 4-bit codes) of two consecutive positions (pack=2: $4, $5) -> four
         fp16 pair tensors, nibble i of both words: code * 2^-24 (i even) or 16 code * 2^-24 (i odd), exact
-        (fp16 subnormals: ``triton_attention._codes_f16`` says why). Two byte permutes put a byte of each word
+        (fp16 subnormals: ``device_helpers.codes_f16`` says why). Two byte permutes put a byte of each word
         in the low byte of an fp16 half; an and keeps one nibble."""
         return gl.inline_asm_elementwise(
             """{
@@ -731,7 +731,7 @@ if gluon is not None:
     @gluon.jit
     def _row_splits(tiles, qsl_ptr, seq_lens_ptr, num_seqs, max_len, plan_slots, plan_wanted,
                     BLOCK: gl.constexpr, NUM_SPLITS: gl.constexpr, PLAN: gl.constexpr):
-        """:func:`triton_attention._row_splits` for one query row a program (row blocks are rows), in Gluon: the
+        """:func:`device_helpers.row_splits` for one query row a program (row blocks are rows), in Gluon: the
         split count of a row whose context is ``tiles`` tiles, from the batch's lengths (NUM_SPLITS <= 128)."""
         total = num_seqs * 0
         blocks = num_seqs * 0
@@ -782,7 +782,7 @@ if gluon is not None:
         wptr = cache_ptr.to(gl.pointer_type(gl.int32), bitcast=True)
         fptr = cache_ptr.to(gl.pointer_type(gl.float16), bitcast=True)
 
-        # the row's sequence and causal length (triton_attention._row_context)
+        # the row's sequence and causal length (device_helpers.row_context)
         in_batch = row < num_seqs
         start_q = gl.load(qsl_ptr + row, mask=in_batch, other=0)
         stop_q = gl.load(qsl_ptr + row + 1, mask=in_batch, other=0)
@@ -941,7 +941,7 @@ if gluon is not None:
             y = gl.reshape(y, [BLOCK, 4, 8, VJ, 2, 2])  # [pos, w, l // 4, j, r1, i // 2]
             y = gl.reshape(gl.permute(y, (3, 5, 1, 4, 2, 0)), [D, BLOCK])  # [j, i // 2, w, r1, l // 4, pos]
             values = gl.convert_layout(y, A_OP, assert_trivial=True)
-            # the tile's P.V from zero, added in fp32 (triton_attention's stream kernel says why; Gluon's pipeline
+            # the tile's P.V from zero, added in fp32 (decode_stream's kernel says why; Gluon's pipeline
             # has no pass that folds the add back into the mma's accumulator, as Triton's combine does)
             acc = acc * alpha[None, :] + mma_v2(values, gl.convert_layout(ps, B_OP), zeros)
             if PREFETCH == 2:

@@ -36,7 +36,8 @@ from tqkv_compile.codec import get_preset
 def tables(preset_name: str, head_dim: int, device: torch.device) -> dict[str, torch.Tensor]:
     """The op inputs that carry a preset's tables on device: rotation, centroids, midpoints, the stream
     kernel's key lookup table and rotation signs (kept by the Triton backend, built once)."""
-    from tqkv_compile.lowerings.triton_attention import key_lut, rotation_signs
+    from tqkv_compile.lowerings.cache_tables import key_lut
+    from tqkv_compile.lowerings.decode_stream import rotation_signs
 
     preset = get_preset(preset_name, head_dim)
     rotation, centroids, midpoints = get_backend("triton").tables(preset, torch.device(device))

@@ -1,11 +1,12 @@
 """The decode launcher's choices, from shapes alone so that a CUDA graph captured at one shape replays at it:
 which kernel, its tile, register cap, split count, and query rows a program, and the merge's chunk.
 
-Kept apart from the kernels (:mod:`~tqkv_compile.lowerings.triton_attention`, :mod:`~tqkv_compile.lowerings.gluon_decode`,
-:mod:`~tqkv_compile.lowerings.triton_general`): each rule here is fitted to measurements, named in its docstring
-(``bench/results/*launch-sweep*.json``, docs/performance-history.md), and ``bench/launch_sweep.py`` times the
-alternatives on a GPU. The kernels take whatever they are given (``decode_attention``'s keywords override every
-choice).
+Kept apart from the kernels (:mod:`~tqkv_compile.lowerings.decode_stream`,
+:mod:`~tqkv_compile.lowerings.decode_bytes`, :mod:`~tqkv_compile.lowerings.gluon_decode`,
+:mod:`~tqkv_compile.lowerings.triton_general`; this module imports none of them): each rule here is fitted to
+measurements, named in its docstring (``bench/results/*launch-sweep*.json``, docs/performance-history.md), and
+``bench/launch_sweep.py`` times the alternatives on a GPU. The kernels take whatever they are given
+(``decode_attention``'s keywords override every choice).
 """
 
 from __future__ import annotations
@@ -90,7 +91,7 @@ def split_grid(splits: int, num_seqs: int, max_len: int, block_n: int, most_spli
 def row_splits(lengths: list[int], rows: list[int], row_block_len: int, kv_heads: int, slots: int, wanted: int,
                block_n: int, grid_splits: int, rows_per_program: int = 1) -> int:
     """The split count the kernels give a row block of context ``row_block_len`` (length-aware splits), as
-    ``triton_attention._row_splits`` computes it in each program from the batch's ``lengths`` and ``rows``
+    ``device_helpers.row_splits`` computes it in each program from the batch's ``lengths`` and ``rows``
     (query rows a sequence): the batch's mean tiles a row block, the count :func:`num_splits`'s wave model rates
     best for a uniform batch of that mean (``slots`` resident programs, ``wanted`` the ~4-an-SM cap, counts up to
     ``grid_splits``), scaled by this block's tiles / the mean, rounded, in [1, min(grid_splits, its tiles)].

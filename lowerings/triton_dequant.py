@@ -21,7 +21,8 @@ import triton
 import triton.language as tl
 
 from tqkv_compile.codec import Preset
-from tqkv_compile.lowerings.triton_attention import _load_fp16, require_vllm_layout
+from tqkv_compile.lowerings.cache_tables import require_vllm_layout
+from tqkv_compile.lowerings.device_helpers import load_fp16
 from tqkv_compile.lowerings.triton_kv_write import _write_rows
 
 
@@ -65,12 +66,12 @@ def _dequant_kernel(
         unit = tl.load(cent_ptr + _codes(cache_ptr, base, s_byte, keep, 0, KEY_BITS, D))
         if NORM_CORRECTION:
             unit = unit / tl.sqrt(tl.sum(unit * unit, axis=1) + 1e-16)[:, None]
-        keys = unit * _load_fp16(cache_ptr, base + KEY_CODE_BYTES * s_byte, keep)[:, None]
+        keys = unit * load_fp16(cache_ptr, base + KEY_CODE_BYTES * s_byte, keep)[:, None]
     tl.store(key_ptr + out, keys.to(key_ptr.dtype.element_ty), mask=keep[:, None])
 
     codes = _codes(cache_ptr, base, s_byte, keep, VALUE_OFFSET, VALUE_BITS, D)
-    scale = _load_fp16(cache_ptr, base + (VALUE_OFFSET + VALUE_CODE_BYTES) * s_byte, keep)
-    low = _load_fp16(cache_ptr, base + (VALUE_OFFSET + VALUE_CODE_BYTES + 2) * s_byte, keep)
+    scale = load_fp16(cache_ptr, base + (VALUE_OFFSET + VALUE_CODE_BYTES) * s_byte, keep)
+    low = load_fp16(cache_ptr, base + (VALUE_OFFSET + VALUE_CODE_BYTES + 2) * s_byte, keep)
     values = codes.to(tl.float32) * scale[:, None] + low[:, None]
     tl.store(value_ptr + out, values.to(value_ptr.dtype.element_ty), mask=keep[:, None])
 

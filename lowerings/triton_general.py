@@ -32,9 +32,9 @@ import triton.language as tl
 
 from tqkv_compile import lloyd_max
 from tqkv_compile.codec import FP8_MAX, Preset
-from tqkv_compile.lowerings.launch_choices import merge_chunk, merge_warps, num_splits
-from tqkv_compile.lowerings.triton_attention import (LOG2E, _load_fp16, _merge_kernel, _softmax_step, _split_span,
-                                                      _tile_base)
+from tqkv_compile.lowerings.decode_merge import merge
+from tqkv_compile.lowerings.device_helpers import LOG2E, load_fp16, softmax_step, split_span, tile_base
+from tqkv_compile.lowerings.launch_choices import num_splits
 from tqkv_compile.lowerings.triton_dequant import dense_outputs
 from tqkv_compile.lowerings.triton_kv_dot import _logit_tile, _store_logits
 from tqkv_compile.lowerings.triton_kv_write import _fp8e4m3_bits, _store_fp16, _store_packed, _write_rows, few_rows
@@ -217,7 +217,7 @@ def _scores(q, q_raw_ptr, q_heads, head_ok, cache_ptr, cent_ptr, rot_ptr, base, 
     """Logits [BLOCK_H, N] of the query group (q: rotated, scaled, DTYPE; q_raw_ptr: the same query scaled, in
     the original basis, rows q_heads * D) against N keys of a preset of ours."""
     unit = _unit_vectors(cache_ptr, cent_ptr, base, valid, s_byte, 0, KEY_BITS, KEY_WIDE, KC, KCW, D)
-    norm = _load_fp16(cache_ptr, base + KEY_CODE_BYTES * s_byte, valid)
+    norm = load_fp16(cache_ptr, base + KEY_CODE_BYTES * s_byte, valid)
     scores = tl.dot(q, tl.trans(unit.to(DTYPE)), input_precision=PRECISION) * norm[None, :]
     if OUTLIERS:
         # (& (D - 1): a slot no kv_write filled, e.g. a garbage byte, still indexes inside the tables)
@@ -253,8 +253,8 @@ def _general_decode_kernel(
     DTYPE: tl.constexpr = tl.float32 if DOT_FP32 else tl.float16
     PRECISION: tl.constexpr = "ieee" if DOT_FP32 else None
 
-    seq, begin, end, q_heads, part, head_ok = _split_span(row, kv_head, split, qsl_ptr, seq_lens_ptr, num_seqs,
-                                                          max_len, GROUP, BLOCK_H, BLOCK_N, NUM_SPLITS, SEARCH_STEPS)
+    seq, begin, end, q_heads, part, head_ok = split_span(row, kv_head, split, qsl_ptr, seq_lens_ptr, num_seqs,
+                                                         max_len, GROUP, BLOCK_H, BLOCK_N, NUM_SPLITS, SEARCH_STEPS)
     heads = GROUP * tl.num_programs(1)
     if begin >= end:
         tl.store(part_lse_ptr + part, tl.full((BLOCK_H,), float("-inf"), tl.float32), mask=head_ok)
@@ -270,14 +270,14 @@ def _general_decode_kernel(
     bt_row = block_table_ptr + seq.to(tl.int64) * s_bt
     n = tl.arange(0, BLOCK_N)
     for start in range(begin, end, BLOCK_N):
-        base, valid = _tile_base(bt_row, s_bm, start, end, n, kv_head, s_blk, s_pos, s_head, BLOCK_SIZE, False)
+        base, valid = tile_base(bt_row, s_bm, start, end, n, kv_head, s_blk, s_pos, s_head, BLOCK_SIZE, False)
         scores = _scores(q, q_raw_row, q_heads, head_ok, cache_ptr, cent_ptr, rot_ptr, base, valid, s_byte, D,
                          KEY_BITS, KEY_WIDE, KEY_CODE_BYTES, OUTLIERS, KC, KCW, DTYPE, PRECISION)
         scores = tl.where(valid[None, :], scores, float("-inf"))
-        p, alpha, m_i, l_i = _softmax_step(scores, m_i, l_i)
+        p, alpha, m_i, l_i = softmax_step(scores, m_i, l_i)
         unit = _unit_vectors(cache_ptr, cent_ptr, base, valid, s_byte, VALUE_OFFSET, VALUE_BITS, VALUE_WIDE, VC,
                              VCW, D)
-        vnorm = _load_fp16(cache_ptr, base + (VALUE_OFFSET + VALUE_CODE_BYTES) * s_byte, valid)
+        vnorm = load_fp16(cache_ptr, base + (VALUE_OFFSET + VALUE_CODE_BYTES) * s_byte, valid)
         acc = tl.dot((p * vnorm[None, :]).to(DTYPE), unit.to(DTYPE), acc * alpha[:, None],
                      input_precision=PRECISION)
     tl.store(part_out_ptr + part[:, None] * D + d[None, :], acc / l_i[:, None], mask=head_ok[:, None])
@@ -316,9 +316,7 @@ def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: t
         num_warps=4,
     )
     rotated = torch.empty(rows, heads, dim, dtype=torch.float32, device=query.device)
-    _merge_kernel[(rows, heads)](part_out, part_lse, rotated, *rotated.stride(), NUM_HEADS=heads, D=dim,
-                                 NUM_SPLITS=splits, SPLITS_P2=triton.next_power_of_2(splits),
-                                 CHUNK=(chunk := merge_chunk(splits, dim)), num_warps=merge_warps(chunk))
+    merge(part_out, part_lse, rotated)
     return torch.matmul(rotated, rotation).to(query.dtype)  # back from the rotated basis (H is symmetric)
 
 
@@ -386,7 +384,7 @@ def _general_dequant_kernel(
     row = tok.to(tl.int64) * num_kv_heads + head
 
     unit = _unit_vectors(cache_ptr, cent_ptr, base, keep, s_byte, 0, KEY_BITS, KEY_WIDE, KC, KCW, D)
-    norm = _load_fp16(cache_ptr, base + KEY_CODE_BYTES * s_byte, keep)
+    norm = load_fp16(cache_ptr, base + KEY_CODE_BYTES * s_byte, keep)
     keys = unit * norm[:, None]
     if OUTLIERS:
         index = tl.load(cache_ptr + base + (KEY_CODE_BYTES + 2) * s_byte, mask=keep, other=0).to(tl.int32) & (D - 1)
@@ -397,7 +395,7 @@ def _general_dequant_kernel(
     tl.store(key_ptr + row[:, None] * D + d[None, :], keys.to(key_ptr.dtype.element_ty), mask=keep[:, None])
 
     unit = _unit_vectors(cache_ptr, cent_ptr, base, keep, s_byte, VALUE_OFFSET, VALUE_BITS, VALUE_WIDE, VC, VCW, D)
-    stored_basis = unit * _load_fp16(cache_ptr, base + (VALUE_OFFSET + VALUE_CODE_BYTES) * s_byte, keep)[:, None]
+    stored_basis = unit * load_fp16(cache_ptr, base + (VALUE_OFFSET + VALUE_CODE_BYTES) * s_byte, keep)[:, None]
     r = tl.arange(0, 16)
     for c0 in tl.static_range(0, D, 16):
         rot = tl.load(rot_ptr + d[:, None] * D + (c0 + r)[None, :])

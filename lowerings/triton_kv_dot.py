@@ -13,7 +13,8 @@ import triton
 import triton.language as tl
 
 from tqkv_compile.codec import Preset
-from tqkv_compile.lowerings.triton_attention import _key_scores, _load_query, require_vllm_layout
+from tqkv_compile.lowerings.cache_tables import require_vllm_layout
+from tqkv_compile.lowerings.device_helpers import key_scores, load_query
 
 
 @triton.jit
@@ -48,10 +49,10 @@ def _kv_dot_kernel(
 ):
     seq, q_heads, head_ok, pos, valid, base = _logit_tile(block_table_ptr, seq_lens_ptr, s_bt, s_bm, s_blk, s_pos,
                                                           s_head, GROUP, BLOCK_H, BLOCK_SIZE, BLOCK_N)
-    q_a, q_b = _load_query(q_ptr, seq, q_heads, head_ok, s_qb, s_qh, s_qd, D, KEY_FP8, KEY_BITS, tl.float32,
-                           tl.float32)
-    logits = _key_scores(q_a, q_b, cache_ptr, cent_ptr, base, valid, s_byte, D, KEY_FP8, KEY_BITS, KEY_CODE_BYTES,
-                         NORM_CORRECTION, tl.float32, "ieee", tl.float32)
+    q_a, q_b = load_query(q_ptr, seq, q_heads, head_ok, s_qb, s_qh, s_qd, D, KEY_FP8, KEY_BITS, tl.float32,
+                          tl.float32)
+    logits = key_scores(q_a, q_b, cache_ptr, cent_ptr, base, valid, s_byte, D, KEY_FP8, KEY_BITS, KEY_CODE_BYTES,
+                        NORM_CORRECTION, tl.float32, "ieee", tl.float32)
     _store_logits(out_ptr, logits, seq, q_heads, head_ok, pos, valid, width, s_ob, s_oh, s_on)
 
 

@@ -33,8 +33,8 @@ import triton.language as tl
 from tqkv_compile.codec import FP8_MAX, Preset
 from tqkv_compile.lowerings import dependent_launch
 from tqkv_compile.lowerings.arrivals import arrival_counts
+from tqkv_compile.lowerings.cache_tables import require_vllm_layout
 from tqkv_compile.lowerings.dependent_launch import wait_and_release
-from tqkv_compile.lowerings.triton_attention import require_vllm_layout
 
 
 @triton.jit

@@ -11,7 +11,7 @@ import pytest
 
 triton = pytest.importorskip("triton")
 
-from tqkv_compile.lowerings import triton_attention  # noqa: E402
+from tqkv_compile.lowerings import cache_tables, device_helpers  # noqa: E402
 
 
 def _prmt(a: np.ndarray, b: np.ndarray, c: np.ndarray) -> np.ndarray:
@@ -123,7 +123,7 @@ def _run_asm(fn, words: np.ndarray, tables: list[int] = ()) -> list[np.ndarray]:
 
 def test_uniform_code_unpacking_gives_code_and_16_code_in_odd_columns_as_exact_subnormals():
     words = np.arange(1 << 16, dtype=np.uint32)
-    got = _run_asm(triton_attention._codes4_fp16_odd16, words)
+    got = _run_asm(device_helpers.codes4_fp16_odd16, words)
     for k in range(4):
         code = (words >> (4 * k)) & 0xF
         want = code * (16 if k % 2 else 1) * 2.0**-24
@@ -131,15 +131,15 @@ def test_uniform_code_unpacking_gives_code_and_16_code_in_odd_columns_as_exact_s
 
 
 def test_centroid_lookup_by_byte_permutes_gives_the_fp16_table_entries():
-    """_lut4_fp16 (4-bit Lloyd-Max keys): four codes -> their fp16 centroids, for every 16-bit word."""
+    """lut4_fp16 (4-bit Lloyd-Max keys): four codes -> their fp16 centroids, for every 16-bit word."""
     import torch
 
     from tqkv_compile.codec import get_preset
 
     preset = get_preset("turboquant_4bit_nc", 128)
-    key_words = triton_attention.key_lut(preset, torch.device("cpu"))
+    key_words = cache_tables.key_lut(preset, torch.device("cpu"))
     words = np.arange(1 << 16, dtype=np.uint32)
-    got = _run_asm(triton_attention._lut4_fp16, words, key_words.tolist())
+    got = _run_asm(device_helpers.lut4_fp16, words, key_words.tolist())
     table = preset.centroids("cpu").to(torch.float16).numpy()
     for k in range(4):
         np.testing.assert_array_equal(got[k], table[(words >> (4 * k)) & 0xF])
@@ -147,16 +147,16 @@ def test_centroid_lookup_by_byte_permutes_gives_the_fp16_table_entries():
 
 @pytest.mark.parametrize("preset_name", ["turboquant_k3v4_nc", "turboquant_3bit_nc"])
 def test_3bit_centroid_lookup_by_byte_permutes_gives_the_fp16_table_entries(preset_name):
-    """_lut3_fp16 (3-bit Lloyd-Max keys): the four codes in a word's low 12 bits -> their fp16 centroids, for
+    """lut3_fp16 (3-bit Lloyd-Max keys): the four codes in a word's low 12 bits -> their fp16 centroids, for
     every 16-bit word (the bits above 12 must not matter: the kernel hands it words with other codes there)."""
     import torch
 
     from tqkv_compile.codec import get_preset
 
     preset = get_preset(preset_name, 128)
-    lut = triton_attention.key_lut(preset, torch.device("cpu")).tolist()
+    lut = cache_tables.key_lut(preset, torch.device("cpu")).tolist()
     words = np.arange(1 << 16, dtype=np.uint32)
-    got = _run_asm(triton_attention._lut3_fp16, words, [lut[0], lut[1], lut[4], lut[5]])
+    got = _run_asm(device_helpers.lut3_fp16, words, [lut[0], lut[1], lut[4], lut[5]])
     table = preset.centroids("cpu").to(torch.float16).numpy()
     assert table.shape == (8,)
     for k in range(4):

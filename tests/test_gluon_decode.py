@@ -17,7 +17,7 @@ pytest.importorskip("triton.experimental.gluon")
 from test_asm_emulation import asm_text, execute  # noqa: E402
 
 import tqkv_compile  # noqa: E402
-from tqkv_compile.lowerings import gluon_decode, launch_choices, triton_attention  # noqa: E402
+from tqkv_compile.lowerings import cache_tables, gluon_decode, launch_choices, triton_attention  # noqa: E402
 
 
 def _emulate(fn, inputs: dict[str, np.ndarray], shared: np.ndarray | None = None) -> dict[str, np.ndarray]:
@@ -45,7 +45,7 @@ def test_key_lookup_gives_each_words_fp16_pairs_in_place():
     every 16-bit word, with garbage in the word's high half (the loads are zero-extended, but nothing may
     depend on it). Operands as pack=2 numbers them: $2 / $3 the word's two copies, $4 / $5 table word 0, ..."""
     preset = tqkv_compile.get_preset("turboquant_4bit_nc", 128)
-    table_words = triton_attention.key_lut(preset, torch.device("cpu")).tolist()
+    table_words = cache_tables.key_lut(preset, torch.device("cpu")).tolist()
     words = np.arange(1 << 16, dtype=np.uint32) | (np.uint32(0xA5C3) << 16)
     inputs = {"$2": words, "$3": words}
     inputs.update({f"${4 + 2 * i}": np.full_like(words, t & 0xFFFFFFFF) for i, t in enumerate(table_words)})
@@ -435,7 +435,7 @@ def test_three_bit_lookup_gives_each_words_fp16_pairs():
     """_lut3_pairs: a word of four 3-bit codes (nibbles, bit 3 clear) -> (table[c0], table[c1]) in $0 and
     (table[c2], table[c3]) in $1 from the key table's low half; the word's high half is ignored."""
     preset = tqkv_compile.get_preset("turboquant_k3v4_nc", 128)
-    table_words = triton_attention.key_lut(preset, torch.device("cpu")).tolist()
+    table_words = cache_tables.key_lut(preset, torch.device("cpu")).tolist()
     words = (np.arange(1 << 16, dtype=np.uint32) & 0x7777) | (np.uint32(0xA5C3) << 16)
     inputs = {"$2": words, "$3": words}
     for operand, index in (("$4", 0), ("$6", 1), ("$8", 4), ("$10", 5)):  # pack=2: each table word twice

@@ -1,6 +1,6 @@
 """Kernels against the exact oracle: fp64 attention over the codec's decode of the very cache bytes.
 
-The interpreted kernels round their dot operands to the GPU's fp16 before upcasting (``triton_attention._operand``),
+The interpreted kernels round their dot operands to the GPU's fp16 before upcasting (``device_helpers.operand``),
 so these tests see the GPU's operand numerics at contexts long enough for many splits and tiles, in ragged
 batches with several query rows a sequence. What the interpreter cannot show is the GPU's own accumulation
 inside the tensor cores; ``tqkv bench kernels --check`` runs the same oracle there.
@@ -110,24 +110,24 @@ def test_length_aware_splits_meet_the_oracle_on_a_ragged_batch():
 
 
 def test_the_kernels_split_plan_is_launch_choices_row_splits():
-    """The plan every program computes (``_row_splits``, from the batch's lengths and rows) is the host's rule,
-    over random ragged batches (1 to 300 sequences: more than one chunk of 128), rows a program 1 and 4, kv heads
-    1 and 8, grids of 8 to 256 splits."""
+    """The plan every program computes (``device_helpers.row_splits``, from the batch's lengths and rows) is the
+    host's rule, over random ragged batches (1 to 300 sequences: more than one chunk of 128), rows a program 1
+    and 4, kv heads 1 and 8, grids of 8 to 256 splits."""
     import triton.language as tl
 
+    from tqkv_compile.lowerings import device_helpers
     from tqkv_compile.lowerings import launch_choices as lc
-    from tqkv_compile.lowerings import triton_attention
 
-    global ta  # (the interpreter resolves a kernel's names in its module's globals)
-    ta = triton_attention
+    global dh  # (the interpreter resolves a kernel's names in its module's globals)
+    dh = device_helpers
 
     @triton.jit
     def probe(tiles_ptr, qsl_ptr, lens_ptr, out_ptr, num_seqs, max_len, slots, wanted, BLOCK_N: tl.constexpr,
               NUM_SPLITS: tl.constexpr, ROWS: tl.constexpr):
         i = tl.program_id(0)
         tiles = tl.load(tiles_ptr + i)
-        tl.store(out_ptr + i, ta._row_splits(tiles, qsl_ptr, lens_ptr, num_seqs, max_len, slots, wanted, BLOCK_N,
-                                            NUM_SPLITS, ROWS))
+        tl.store(out_ptr + i, dh.row_splits(tiles, qsl_ptr, lens_ptr, num_seqs, max_len, slots, wanted, BLOCK_N,
+                                           NUM_SPLITS, ROWS))
 
     g = torch.Generator().manual_seed(8)
     checked = 0

@@ -401,22 +401,22 @@ def test_asm_pairs_and_quads_reach_natural_column_order():
     import triton
     import triton.language as tl
 
-    global _ta  # the interpreter resolves a kernel's names in its module's globals, not in this function
-    from tqkv_compile.lowerings import triton_attention as _ta
+    global _dh  # the interpreter resolves a kernel's names in its module's globals, not in this function
+    from tqkv_compile.lowerings import device_helpers as _dh
 
     @triton.jit
     def columns(pairs_ptr, quads_ptr, N: tl.constexpr, W: tl.constexpr):
         n = tl.arange(0, N)[:, None, None]
         j = tl.arange(0, W)[None, :, None]
         e = tl.arange(0, 2)[None, None, :]
-        pairs = _ta._pair_columns((n * 1000 + 4 * j + e).to(tl.float32), (n * 1000 + 4 * j + 2 + e).to(tl.float32))
+        pairs = _dh.pair_columns((n * 1000 + 4 * j + e).to(tl.float32), (n * 1000 + 4 * j + 2 + e).to(tl.float32))
         c = tl.arange(0, 4 * W)
         tl.store(pairs_ptr + tl.arange(0, N)[:, None] * 4 * W + c[None, :], pairs)
         # quad q of group g: column 4 g + k holds code 16 g + 4 q + k
         g, k = (c // 4)[None, :], (c % 4)[None, :]
         rows = tl.arange(0, N)[:, None] * 1000
-        quads = _ta._join_quads((rows + 16 * g + k).to(tl.float32), (rows + 16 * g + 4 + k).to(tl.float32),
-                            (rows + 16 * g + 8 + k).to(tl.float32), (rows + 16 * g + 12 + k).to(tl.float32))
+        quads = _dh.join_quads((rows + 16 * g + k).to(tl.float32), (rows + 16 * g + 4 + k).to(tl.float32),
+                               (rows + 16 * g + 8 + k).to(tl.float32), (rows + 16 * g + 12 + k).to(tl.float32))
         q = tl.arange(0, 16 * W)
         tl.store(quads_ptr + tl.arange(0, N)[:, None] * 16 * W + q[None, :], quads)
 
@@ -676,7 +676,7 @@ def test_presets_of_ours_in_the_triton_kernels(preset_name, dim, monkeypatch):
 def test_warm_builds_every_table_before_the_first_call():
     """vLLM captures CUDA graphs where host-to-device copies fail: ``warm`` (called from our impl's
     process_weights_after_loading) leaves nothing for the first call to build."""
-    from tqkv_compile.lowerings import cache_tables, triton_attention
+    from tqkv_compile.lowerings import cache_tables, decode_stream
 
     backend = get_backend("triton")
     device = torch.device("cpu")
@@ -688,7 +688,7 @@ def test_warm_builds_every_table_before_the_first_call():
         else:
             assert (name, 128, "cpu") in backend._tables
             assert (name, 128, "cpu") in cache_tables._LUTS
-            assert (128, "cpu") in triton_attention._SIGNS
+            assert (128, "cpu") in decode_stream._SIGNS
     key_lut = cache_tables._LUTS[("turboquant_4bit_nc", 128, "cpu")]
     assert key_lut.dtype == torch.int32 and key_lut.shape == (8,)
 
@@ -700,7 +700,7 @@ def test_tables_stay_fp32_when_vllm_loads_under_a_bf16_default_dtype(preset_name
     the reference (on the H200 the first real run failed here: a bf16 rotation in an fp32 tl.dot)."""
     from tqkv_compile import lloyd_max, rotation
     from tqkv_compile.backends.triton import TritonBackend
-    from tqkv_compile.lowerings import cache_tables, triton_attention
+    from tqkv_compile.lowerings import cache_tables
 
     saved = (dict(rotation._on_device), dict(cache_tables._LUTS))
     rotation._on_device.clear(), cache_tables._LUTS.clear()
@@ -713,7 +713,7 @@ def test_tables_stay_fp32_when_vllm_loads_under_a_bf16_default_dtype(preset_name
         backend.warm(preset, torch.device("cpu"))
         tables = [*backend.tables(preset, torch.device("cpu")), *backend.general_tables(preset, torch.device("cpu"))]
         if preset.vllm_layout:
-            tables.append(triton_attention.key_lut(preset, torch.device("cpu")))
+            tables.append(cache_tables.key_lut(preset, torch.device("cpu")))
         floats = [t for t in tables if isinstance(t, torch.Tensor) and t.is_floating_point()]
         assert floats and all(t.dtype == torch.float32 for t in floats), [t.dtype for t in floats]
         gen = torch.Generator().manual_seed(3)
@@ -766,7 +766,7 @@ def test_a_sequence_length_past_the_block_table_reads_only_the_table(kernel):
 
 def _kernel_calls(preset, cache, table, seq_lens, query):
     """(name, call) for every Triton kernel that reads or writes a cache of this preset."""
-    from tqkv_compile.lowerings import triton_attention
+    from tqkv_compile.lowerings import decode_stream, triton_attention
 
     backend = get_backend("triton")
     starts = torch.arange(query.shape[0] + 1, dtype=torch.int32)
@@ -781,7 +781,7 @@ def _kernel_calls(preset, cache, table, seq_lens, query):
         return calls + [("general", lambda: backend.decode_kernels(query, cache, table, seq_lens, starts, 0.125,
                                                                    preset))]
     rotation, centroids, _ = backend.tables(preset, query.device)
-    kernels = ["bytes"] + (["stream"] if triton_attention.stream_words(preset, cache, asm=False) else [])
+    kernels = ["bytes"] + (["stream"] if decode_stream.stream_words(preset, cache, asm=False) else [])
     return calls + [(kernel, lambda kernel=kernel: triton_attention.decode_attention(
         query, cache, table, seq_lens, starts, 0.125, preset, rotation, centroids, kernel=kernel))
         for kernel in kernels]

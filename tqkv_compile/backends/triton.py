@@ -1,9 +1,10 @@
 """The Triton memory backend: the ``tqkv`` ops as Triton kernels reading and writing the packed cache.
 
 Runs on CUDA, and on CPU under ``TRITON_INTERPRET=1`` (tests). The kernels live in
-``tqkv_compile.lowerings``: ``triton_kv_write``, ``triton_attention`` (split-KV decode + merge) and
-``triton_kv_dot``. Per-device tables (Hadamard matrix, centroids, midpoints) are built once and kept, so
-calls inside CUDA-graph capture allocate only their outputs and split scratch.
+``tqkv_compile.lowerings``: ``triton_kv_write``, ``triton_attention`` (split-KV decode + merge: it picks
+among ``decode_stream``, ``decode_bytes`` and ``gluon_decode``, then ``decode_merge``) and ``triton_kv_dot``.
+Per-device tables (Hadamard matrix, centroids, midpoints) are built once and kept, so calls inside CUDA-graph
+capture allocate only their outputs and split scratch.
 """
 
 from __future__ import annotations
@@ -92,7 +93,8 @@ class TritonBackend:
             return
         from tqkv_compile.lowerings import gluon_decode
         from tqkv_compile.lowerings.arrivals import arrival_counts
-        from tqkv_compile.lowerings.triton_attention import key_lut, rotation_signs
+        from tqkv_compile.lowerings.cache_tables import key_lut
+        from tqkv_compile.lowerings.decode_stream import rotation_signs
 
         self.tables(preset, device)
         key_lut(preset, device)
