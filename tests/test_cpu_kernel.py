@@ -216,15 +216,15 @@ def _check_kv_write(preset, dtypes):
         assert int(cache.reshape(64, 3, -1)[unused].sum()) == 0
 
 
-def test_the_pytorch_backend_writes_decode_steps_with_the_kernel(monkeypatch):
-    """A decode step's few vectors through the kernel's encode (presets of ours too); a prefill's many, and
-    ``TQKV_CPU_KERNEL=0``, through the reference's; a layout the kernel does not read is refused."""
+def test_the_pytorch_backend_writes_decode_steps_and_prefills_with_the_kernel(monkeypatch):
+    """A decode step's few vectors and a prefill's many through the kernel's encode (presets of ours too);
+    ``TQKV_CPU_KERNEL=0`` through the reference's; a layout the kernel does not read is refused."""
     calls = []
     encode = cpu_kernel.kv_write
     monkeypatch.setattr(cpu_kernel, "kv_write", lambda *a: calls.append(a[0].shape[0]) or encode(*a))
     preset = get_preset("turboquant_4bit_nc", 64)
     cache = torch.zeros(200, 16, 3, preset.slot_bytes, dtype=torch.uint8)
-    many = cpu_kernel.WRITE_MAX_VECTORS // 3 + 1
+    many = 2000
     for tokens in (4, many):
         torch.ops.tqkv.kv_write(torch.randn(tokens, 3, 64), torch.randn(tokens, 3, 64), cache,
                                 torch.arange(tokens), preset.name)
@@ -232,10 +232,10 @@ def test_the_pytorch_backend_writes_decode_steps_with_the_kernel(monkeypatch):
     own_cache = torch.zeros(10, 16, 3, own.slot_bytes, dtype=torch.uint8)
     key, value = torch.randn(4, 3, 64), torch.randn(4, 3, 64)
     torch.ops.tqkv.kv_write(key, value, own_cache, torch.arange(4), own.name)
-    assert calls == [4, 4] and torch.equal(own_cache[0, :4], own.encode(key, value))
+    assert calls == [4, many, 4] and torch.equal(own_cache[0, :4], own.encode(key, value))
     wide = Preset("layout_k5w", 64, PresetSpec(5, 3, True, None, key_extra_bits=0.25))
     with pytest.raises(ValueError, match="does not read or write"):
         encode(key, value, torch.zeros(10, 16, 3, wide.slot_bytes, dtype=torch.uint8), torch.arange(4), wide)
     monkeypatch.setenv("TQKV_CPU_KERNEL", "0")
     torch.ops.tqkv.kv_write(torch.randn(4, 3, 64), torch.randn(4, 3, 64), cache, torch.arange(4), preset.name)
-    assert calls == [4, 4]
+    assert calls == [4, many, 4]

@@ -196,16 +196,12 @@ def _tables(preset: Preset) -> Tables:
     return _tables_made[k]
 
 
-#: kv_write calls with at most this many (token, kv head) vectors take the kernel's encode (decode steps, short
-#: chunks); bigger ones (prefill) the PyTorch encode, which is vectorised over the tokens
-WRITE_MAX_VECTORS = 1024
-
-
 def serves_write(preset: Preset, key: torch.Tensor, kv_cache: torch.Tensor) -> bool:
-    """Whether :func:`kv_write` serves this call: CPU tensors, a supported preset, a few vectors, the kernel on."""
+    """Whether :func:`kv_write` serves this call: CPU tensors, a supported preset, the kernel on. Any number of
+    tokens: the kernel's encode is faster than the PyTorch one at a prefill's too (8192 tokens x 3 kv heads:
+    4-5x)."""
     return (key.device.type == "cpu" and kv_cache.device.type == "cpu" and supports_preset(preset)
-            and key.shape[0] * key.shape[1] <= WRITE_MAX_VECTORS and kv_cache.stride(3) == 1 and enabled()
-            and load())
+            and kv_cache.stride(3) == 1 and enabled() and load())
 
 
 def kv_write(key, value, kv_cache, slot_mapping, preset: Preset) -> None:

@@ -12,8 +12,7 @@ rotated query to the query's dtype), same bytes written. It serves any device: o
 where the Triton backend is not (no triton, or a preset its kernels do not read), with SDPA there too.
 
 On the CPU the decode rows (one or a few new tokens a sequence) go through a native kernel that reads the packed
-slots in place (:mod:`tqkv_compile.backends.cpu_kernel`, every preset), and a decode step's kv_write (a few
-vectors) is encoded there too; the reference's attention (every cached position decoded to fp32, then matmuls)
+slots in place (:mod:`tqkv_compile.backends.cpu_kernel`, every preset), and kv_write is encoded there too; the reference's attention (every cached position decoded to fp32, then matmuls)
 and encode serve other devices and wherever the kernel cannot be built.
 """
 
@@ -27,13 +26,13 @@ from tqkv_compile.codec import Preset
 class PyTorchBackend(ReferenceBackend):
     """The reference's kv_dot; its attention routed by :func:`prefill.serve`, the decode rows through the native CPU
     kernel (:mod:`tqkv_compile.backends.cpu_kernel`) where it serves (CPU tensors, a compiler at first use,
-    ``TQKV_CPU_KERNEL`` not 0), else the reference's attention; kv_write of a few vectors (decode steps) through
-    the kernel's encode there too, else the reference's."""
+    ``TQKV_CPU_KERNEL`` not 0), else the reference's attention; kv_write through the kernel's encode there too,
+    else the reference's."""
 
     name = "pytorch"
 
     def kv_write(self, key, value, kv_cache, slot_mapping, preset: Preset) -> None:
-        """A few vectors (decode steps) through the kernel's encode where it serves, else the reference's."""
+        """Through the kernel's encode where it serves, else the reference's."""
         if cpu_kernel.serves_write(preset, key, kv_cache):
             return cpu_kernel.kv_write(key, value, kv_cache, slot_mapping, preset)
         return super().kv_write(key, value, kv_cache, slot_mapping, preset)
