@@ -12,10 +12,10 @@ from tqkv_compile.codec import Preset
 def require_vllm_layout(preset: Preset) -> None:
     """The decode kernels (and triton_kv_write's, triton_kv_dot's, triton_dequant's) read vLLM's four slot layouts
     only: a preset of ours given to them would be read as garbage (or past the cache's end), so it is refused;
-    :mod:`tqkv_compile.lowerings.triton_general` serves those."""
+    the general kernels (``lowerings/general_*.py``) serve those."""
     if not preset.vllm_layout:
-        raise ValueError(f"{preset.name}: not one of vLLM's slot layouts; presets of ours run on triton_general's "
-                         "kernels (the triton backend picks them)")
+        raise ValueError(f"{preset.name}: not one of vLLM's slot layouts; presets of ours run on the general "
+                         "kernels (lowerings/general_*.py; the triton backend picks them)")
 
 
 def halves_span(kv_cache: torch.Tensor) -> int:

@@ -1,6 +1,6 @@
 """The merge kernel: the split-KV kernels' partial outputs combined into each (query row, head)'s answer,
 weighted by their base-2 log-sum-exps. Every split kernel (the byte, stream and fragment kernels, and
-:mod:`~tqkv_compile.lowerings.triton_general`'s) ends in it.
+:mod:`~tqkv_compile.lowerings.general_decode`'s) ends in it.
 """
 
 from __future__ import annotations

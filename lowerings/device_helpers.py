@@ -1,13 +1,18 @@
-"""The Triton device functions the decode kernels are built from, shared by the kernel files.
+"""The Triton device functions the kernels are built from, shared by the kernel files.
 
 - Byte loads and code lookups: a tile's fields read byte by byte from any cache view, Lloyd-Max codes turned
   into centroids by a select tree, a query group's scores against a tile of keys (the byte kernel in
   :mod:`~tqkv_compile.lowerings.decode_bytes`; :mod:`~tqkv_compile.lowerings.triton_kv_dot`,
-  :mod:`~tqkv_compile.lowerings.triton_dequant` and :mod:`~tqkv_compile.lowerings.triton_general` read with
-  some of them).
+  :mod:`~tqkv_compile.lowerings.triton_dequant` and the general kernels (``general_*.py``) read with some of
+  them).
 - A program's share of the work: its query row (or rows) and their causal context, the split of that context it
   serves, each tile's slot offsets, and the online softmax step over a tile (every split-KV kernel: the byte and
-  stream kernels, triton_general's).
+  stream kernels, :mod:`~tqkv_compile.lowerings.general_decode`'s); kv_dot's position tile and its logits' store
+  (:mod:`~tqkv_compile.lowerings.triton_kv_dot`, :mod:`~tqkv_compile.lowerings.general_kv_dot`).
+- A write's rows and byte stores: a program's (token, kv head) rows and their slots (the write kernels, and the
+  dequant kernels that read slots the same way), fp16 fields stored as two bytes, codes packed little-endian,
+  fp8 e4m3 bits in integer arithmetic (:mod:`~tqkv_compile.lowerings.triton_kv_write`,
+  :mod:`~tqkv_compile.lowerings.general_kv_write`).
 - Word loads, unpacking and lookups: fields read as 16- or 32-bit words and unpacked in registers, Lloyd-Max
   codes looked up by byte permutes in inline PTX (GPU only; tests/test_asm_emulation.py runs that PTX
   instruction by instruction), uniform codes turned into exact fp16 subnormals (the stream kernel in
@@ -353,6 +358,89 @@ def softmax_step(scores, m_i, l_i, AXIS: tl.constexpr = 1, EMPTY: tl.constexpr =
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(scores - tl.expand_dims(m_new, AXIS))
     return p, alpha, m_new, l_i * alpha + tl.sum(p, axis=AXIS)
+
+
+# -- kv_dot's position tiles (triton_kv_dot's and general_kv_dot's kernels) -------------------------------
+
+
+@triton.jit
+def logit_tile(block_table_ptr, seq_lens_ptr, s_bt, s_bm, s_blk, s_pos, s_head, GROUP: tl.constexpr,
+               BLOCK_H: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """This program's (sequence, kv head, position tile): (seq, q_heads, head_ok, pos, valid, slot byte
+    offsets); positions at or past the sequence's length are not valid and their block ids are not read."""
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    pos = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
+    h = tl.arange(0, BLOCK_H)
+    valid = pos < tl.load(seq_lens_ptr + seq)
+    block = tl.load(block_table_ptr + seq.to(tl.int64) * s_bt + (pos // BLOCK_SIZE) * s_bm, mask=valid, other=0)
+    base = block.to(tl.int64) * s_blk + (pos % BLOCK_SIZE) * s_pos + kv_head * s_head
+    return seq, kv_head * GROUP + h, h < GROUP, pos, valid, base
+
+
+@triton.jit
+def store_logits(out_ptr, logits, seq, q_heads, head_ok, pos, valid, width, s_ob, s_oh, s_on):
+    """Store logits [BLOCK_H, BLOCK_N], -inf where the position is not valid."""
+    logits = tl.where(valid[None, :], logits, float("-inf"))
+    tl.store(out_ptr + seq * s_ob + q_heads[:, None] * s_oh + pos[None, :] * s_on, logits,
+             mask=head_ok[:, None] & (pos < width)[None, :])
+
+
+# -- a write's rows and its byte stores (the write kernels'; write_rows: the dequant kernels' too) --------
+
+
+@triton.jit
+def write_rows(slot_ptr, n_rows, num_kv_heads, s_blk, s_pos, s_head, BLOCK_SIZE: tl.constexpr,
+               BLOCK_M: tl.constexpr):
+    """This program's (token, kv head) rows: (token, head, keep, slot byte offset), keep false past the last
+    row and for skipped slots (< 0)."""
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    in_range = rows < n_rows
+    tok = rows // num_kv_heads
+    head = rows % num_kv_heads
+    slot = tl.load(slot_ptr + tok, mask=in_range, other=-1).to(tl.int64)
+    keep = in_range & (slot >= 0)
+    slot = tl.where(keep, slot, 0)
+    return tok, head, keep, (slot // BLOCK_SIZE) * s_blk + (slot % BLOCK_SIZE) * s_pos + head.to(tl.int64) * s_head
+
+
+@triton.jit
+def store_fp16(cache_ptr, byte_addr, x, keep):
+    """Store fp32 x [BLOCK_M] as little-endian fp16 at byte_addr [BLOCK_M] (two byte stores)."""
+    bits = x.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+    tl.store(cache_ptr + byte_addr, (bits & 0xFF).to(tl.uint8), mask=keep)
+    tl.store(cache_ptr + byte_addr + 1, (bits >> 8).to(tl.uint8), mask=keep)
+
+
+@triton.jit
+def fp8e4m3_bits(x):
+    """fp32 x with |x| <= 448 -> e4m3fn bits (int32), round to nearest even, like torch's cast.
+    Done in integer arithmetic: the Triton interpreter's own fp8 cast mis-rounds across a binade."""
+    bits = x.to(tl.int32, bitcast=True)
+    sign = (bits >> 24) & 0x80
+    mag = tl.abs(x)
+    mbits = mag.to(tl.int32, bitcast=True)
+    mbits = (mbits + 0x7FFFF + ((mbits >> 20) & 1)) & ~0xFFFFF  # keep 3 mantissa bits, ties to even
+    normal = (((mbits >> 23) - 120) << 3) | ((mbits >> 20) & 7)
+    subnormal = ((mag * 512.0 + 8388608.0) - 8388608.0).to(tl.int32)  # multiples of 2^-9, ties to even
+    return sign | tl.where(mag < 0.015625, subnormal, normal)
+
+
+@triton.jit
+def store_packed(cache_ptr, byte_addr, s_byte, codes, keep,
+                 BITS: tl.constexpr, BLOCK_M: tl.constexpr, WIDTH: tl.constexpr):
+    """Pack int32 codes [BLOCK_M, WIDTH] (code i at bit i * BITS, BITS <= 8) and store WIDTH * BITS / 8 bytes
+    per row."""
+    groups = tl.reshape(codes, (BLOCK_M, WIDTH // 8, 8)).to(tl.int64)
+    shifts = (tl.arange(0, 8) * BITS).to(tl.int64)
+    word = tl.sum(groups << shifts[None, None, :], axis=2)  # 8 codes -> BITS bytes
+    BYTES: tl.constexpr = 4 if BITS <= 4 else 8
+    j = tl.arange(0, BYTES)
+    out = ((word[:, :, None] >> (8 * j).to(tl.int64)[None, None, :]) & 0xFF).to(tl.uint8)
+    g = tl.arange(0, WIDTH // 8)
+    offs = (g[None, :, None] * BITS + j[None, None, :]) * s_byte
+    tl.store(cache_ptr + byte_addr[:, None, None] + offs, out, mask=keep[:, None, None] & (j < BITS)[None, None, :])
+
 
 # -- word loads, unpacking and lookups (the stream kernel's) ----------------------------------------------
 

@@ -3,7 +3,7 @@ which kernel, its tile, register cap, split count, and query rows a program, and
 
 Kept apart from the kernels (:mod:`~tqkv_compile.lowerings.decode_stream`,
 :mod:`~tqkv_compile.lowerings.decode_bytes`, :mod:`~tqkv_compile.lowerings.gluon_decode`,
-:mod:`~tqkv_compile.lowerings.triton_general`; this module imports none of them): each rule here is fitted to
+:mod:`~tqkv_compile.lowerings.general_decode`; this module imports none of them): each rule here is fitted to
 measurements, named in its docstring (``bench/results/*launch-sweep*.json``, docs/performance-history.md), and
 ``bench/launch_sweep.py`` times the alternatives on a GPU. The kernels take whatever they are given
 (``decode_attention``'s keywords override every choice).

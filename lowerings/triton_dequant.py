@@ -22,8 +22,7 @@ import triton.language as tl
 
 from tqkv_compile.codec import Preset
 from tqkv_compile.lowerings.cache_tables import require_vllm_layout
-from tqkv_compile.lowerings.device_helpers import load_fp16
-from tqkv_compile.lowerings.triton_kv_write import _write_rows
+from tqkv_compile.lowerings.device_helpers import load_fp16, write_rows
 
 
 def supports(preset: Preset) -> bool:
@@ -55,7 +54,7 @@ def _dequant_kernel(
     VALUE_BITS: tl.constexpr, VALUE_OFFSET: tl.constexpr, VALUE_CODE_BYTES: tl.constexpr,
     BLOCK_M: tl.constexpr,
 ):
-    tok, head, keep, base = _write_rows(slot_ptr, n_rows, num_kv_heads, s_blk, s_pos, s_head, BLOCK_SIZE, BLOCK_M)
+    tok, head, keep, base = write_rows(slot_ptr, n_rows, num_kv_heads, s_blk, s_pos, s_head, BLOCK_SIZE, BLOCK_M)
     d = tl.arange(0, D)
     out = (tok.to(tl.int64) * num_kv_heads + head)[:, None] * D + d[None, :]  # [T, Hk, D] contiguous
 
@@ -78,7 +77,7 @@ def _dequant_kernel(
 
 def dense_outputs(kv_cache: torch.Tensor, slots: torch.Tensor, preset: Preset,
                   dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """The decode launchers' (here and ``triton_general``'s) common start: the cache check (a slot's bytes
+    """The decode launchers' (here and ``general_dequant``'s) common start: the cache check (a slot's bytes
     adjacent, as their fp16 fields are read as two adjacent bytes) and the empty contiguous outputs, keys and
     values ``dtype`` [T, Hk, D] (their rows are ``(token, kv head)`` in the kernels' order)."""
     if kv_cache.stride(3) != 1:

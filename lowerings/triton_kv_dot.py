@@ -14,30 +14,7 @@ import triton.language as tl
 
 from tqkv_compile.codec import Preset
 from tqkv_compile.lowerings.cache_tables import require_vllm_layout
-from tqkv_compile.lowerings.device_helpers import key_scores, load_query
-
-
-@triton.jit
-def _logit_tile(block_table_ptr, seq_lens_ptr, s_bt, s_bm, s_blk, s_pos, s_head, GROUP: tl.constexpr,
-                BLOCK_H: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
-    """This program's (sequence, kv head, position tile): (seq, q_heads, head_ok, pos, valid, slot byte
-    offsets); positions at or past the sequence's length are not valid and their block ids are not read."""
-    seq = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    pos = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
-    h = tl.arange(0, BLOCK_H)
-    valid = pos < tl.load(seq_lens_ptr + seq)
-    block = tl.load(block_table_ptr + seq.to(tl.int64) * s_bt + (pos // BLOCK_SIZE) * s_bm, mask=valid, other=0)
-    base = block.to(tl.int64) * s_blk + (pos % BLOCK_SIZE) * s_pos + kv_head * s_head
-    return seq, kv_head * GROUP + h, h < GROUP, pos, valid, base
-
-
-@triton.jit
-def _store_logits(out_ptr, logits, seq, q_heads, head_ok, pos, valid, width, s_ob, s_oh, s_on):
-    """Store logits [BLOCK_H, BLOCK_N], -inf where the position is not valid."""
-    logits = tl.where(valid[None, :], logits, float("-inf"))
-    tl.store(out_ptr + seq * s_ob + q_heads[:, None] * s_oh + pos[None, :] * s_on, logits,
-             mask=head_ok[:, None] & (pos < width)[None, :])
+from tqkv_compile.lowerings.device_helpers import key_scores, load_query, logit_tile, store_logits
 
 
 @triton.jit
@@ -47,13 +24,13 @@ def _kv_dot_kernel(
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     KEY_FP8: tl.constexpr, KEY_BITS: tl.constexpr, KEY_CODE_BYTES: tl.constexpr, NORM_CORRECTION: tl.constexpr,
 ):
-    seq, q_heads, head_ok, pos, valid, base = _logit_tile(block_table_ptr, seq_lens_ptr, s_bt, s_bm, s_blk, s_pos,
-                                                          s_head, GROUP, BLOCK_H, BLOCK_SIZE, BLOCK_N)
+    seq, q_heads, head_ok, pos, valid, base = logit_tile(block_table_ptr, seq_lens_ptr, s_bt, s_bm, s_blk, s_pos,
+                                                         s_head, GROUP, BLOCK_H, BLOCK_SIZE, BLOCK_N)
     q_a, q_b = load_query(q_ptr, seq, q_heads, head_ok, s_qb, s_qh, s_qd, D, KEY_FP8, KEY_BITS, tl.float32,
                           tl.float32)
     logits = key_scores(q_a, q_b, cache_ptr, cent_ptr, base, valid, s_byte, D, KEY_FP8, KEY_BITS, KEY_CODE_BYTES,
                         NORM_CORRECTION, tl.float32, "ieee", tl.float32)
-    _store_logits(out_ptr, logits, seq, q_heads, head_ok, pos, valid, width, s_ob, s_oh, s_on)
+    store_logits(out_ptr, logits, seq, q_heads, head_ok, pos, valid, width, s_ob, s_oh, s_on)
 
 
 def kv_dot(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,

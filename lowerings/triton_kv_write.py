@@ -35,59 +35,7 @@ from tqkv_compile.lowerings import dependent_launch
 from tqkv_compile.lowerings.arrivals import arrival_counts
 from tqkv_compile.lowerings.cache_tables import require_vllm_layout
 from tqkv_compile.lowerings.dependent_launch import wait_and_release
-
-
-@triton.jit
-def _store_fp16(cache_ptr, byte_addr, x, keep):
-    """Store fp32 x [BLOCK_M] as little-endian fp16 at byte_addr [BLOCK_M] (two byte stores)."""
-    bits = x.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
-    tl.store(cache_ptr + byte_addr, (bits & 0xFF).to(tl.uint8), mask=keep)
-    tl.store(cache_ptr + byte_addr + 1, (bits >> 8).to(tl.uint8), mask=keep)
-
-
-@triton.jit
-def _fp8e4m3_bits(x):
-    """fp32 x with |x| <= 448 -> e4m3fn bits (int32), round to nearest even, like torch's cast.
-    Done in integer arithmetic: the Triton interpreter's own fp8 cast mis-rounds across a binade."""
-    bits = x.to(tl.int32, bitcast=True)
-    sign = (bits >> 24) & 0x80
-    mag = tl.abs(x)
-    mbits = mag.to(tl.int32, bitcast=True)
-    mbits = (mbits + 0x7FFFF + ((mbits >> 20) & 1)) & ~0xFFFFF  # keep 3 mantissa bits, ties to even
-    normal = (((mbits >> 23) - 120) << 3) | ((mbits >> 20) & 7)
-    subnormal = ((mag * 512.0 + 8388608.0) - 8388608.0).to(tl.int32)  # multiples of 2^-9, ties to even
-    return sign | tl.where(mag < 0.015625, subnormal, normal)
-
-
-@triton.jit
-def _store_packed(cache_ptr, byte_addr, s_byte, codes, keep,
-                  BITS: tl.constexpr, BLOCK_M: tl.constexpr, WIDTH: tl.constexpr):
-    """Pack int32 codes [BLOCK_M, WIDTH] (code i at bit i * BITS, BITS <= 8) and store WIDTH * BITS / 8 bytes
-    per row."""
-    groups = tl.reshape(codes, (BLOCK_M, WIDTH // 8, 8)).to(tl.int64)
-    shifts = (tl.arange(0, 8) * BITS).to(tl.int64)
-    word = tl.sum(groups << shifts[None, None, :], axis=2)  # 8 codes -> BITS bytes
-    BYTES: tl.constexpr = 4 if BITS <= 4 else 8
-    j = tl.arange(0, BYTES)
-    out = ((word[:, :, None] >> (8 * j).to(tl.int64)[None, None, :]) & 0xFF).to(tl.uint8)
-    g = tl.arange(0, WIDTH // 8)
-    offs = (g[None, :, None] * BITS + j[None, None, :]) * s_byte
-    tl.store(cache_ptr + byte_addr[:, None, None] + offs, out, mask=keep[:, None, None] & (j < BITS)[None, None, :])
-
-
-@triton.jit
-def _write_rows(slot_ptr, n_rows, num_kv_heads, s_blk, s_pos, s_head, BLOCK_SIZE: tl.constexpr,
-                BLOCK_M: tl.constexpr):
-    """This program's (token, kv head) rows: (token, head, keep, slot byte offset), keep false past the last
-    row and for skipped slots (< 0)."""
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    in_range = rows < n_rows
-    tok = rows // num_kv_heads
-    head = rows % num_kv_heads
-    slot = tl.load(slot_ptr + tok, mask=in_range, other=-1).to(tl.int64)
-    keep = in_range & (slot >= 0)
-    slot = tl.where(keep, slot, 0)
-    return tok, head, keep, (slot // BLOCK_SIZE) * s_blk + (slot % BLOCK_SIZE) * s_pos + head.to(tl.int64) * s_head
+from tqkv_compile.lowerings.device_helpers import fp8e4m3_bits, store_fp16, store_packed, write_rows
 
 
 @triton.jit
@@ -104,7 +52,7 @@ def _write_keys(key_ptr, cache_ptr, rot_ptr, mid_ptr, cent_ptr, tok, head, keep,
     if KEY_FP8:
         w = tl.arange(0, WIDTH)
         k = tl.load(rows_k + (c_start + w)[None, :] * s_kd, mask=keep[:, None], other=0.0).to(tl.float32)
-        k8 = _fp8e4m3_bits(tl.minimum(tl.maximum(k, -FP8_MAX), FP8_MAX)).to(tl.uint8)
+        k8 = fp8e4m3_bits(tl.minimum(tl.maximum(k, -FP8_MAX), FP8_MAX)).to(tl.uint8)
         tl.store(cache_ptr + base[:, None] + (c_start + w)[None, :] * s_byte, k8, mask=keep[:, None])
         norm = tl.zeros((BLOCK_M,), dtype=tl.float32)
         csq = tl.zeros((BLOCK_M,), dtype=tl.float32)
@@ -124,13 +72,13 @@ def _write_keys(key_ptr, cache_ptr, rot_ptr, mid_ptr, cent_ptr, tok, head, keep,
             if NORM_AT_WRITE:
                 cent = tl.load(cent_ptr + codes)
                 csq += tl.sum(cent * cent, axis=1)
-            _store_packed(cache_ptr, base + ((c_start + c) * KEY_BITS // 8) * s_byte, s_byte, codes, keep,
-                          KEY_BITS, BLOCK_M, BLOCK_R)
+            store_packed(cache_ptr, base + ((c_start + c) * KEY_BITS // 8) * s_byte, s_byte, codes, keep,
+                         KEY_BITS, BLOCK_M, BLOCK_R)
         if NORM_AT_WRITE and WIDTH == D:
-            _store_fp16(cache_ptr, base + KEY_CODE_BYTES * s_byte, tl.div_rn(norm, tl.sqrt_rn(csq + 1e-16)),
-                        keep & with_norm)
+            store_fp16(cache_ptr, base + KEY_CODE_BYTES * s_byte, tl.div_rn(norm, tl.sqrt_rn(csq + 1e-16)),
+                       keep & with_norm)
         elif not NORM_AT_WRITE:
-            _store_fp16(cache_ptr, base + KEY_CODE_BYTES * s_byte, norm, keep & with_norm)
+            store_fp16(cache_ptr, base + KEY_CODE_BYTES * s_byte, norm, keep & with_norm)
     return norm, csq
 
 
@@ -154,11 +102,11 @@ def _write_values(value_ptr, cache_ptr, tok, head, keep, base, s_vt, s_vh, s_vd,
     vcodes = (tl.div_rn(v - low[:, None], scale[:, None]) + 0.5).to(tl.int32)
     vcodes = tl.minimum(tl.maximum(vcodes, 0), top)
     vbase = base + VALUE_OFFSET * s_byte
-    _store_packed(cache_ptr, vbase + (c_start * VALUE_BITS // 8) * s_byte, s_byte, vcodes, keep, VALUE_BITS,
-                  BLOCK_M, WIDTH)
+    store_packed(cache_ptr, vbase + (c_start * VALUE_BITS // 8) * s_byte, s_byte, vcodes, keep, VALUE_BITS,
+                 BLOCK_M, WIDTH)
     first = keep & with_scale
-    _store_fp16(cache_ptr, vbase + VALUE_CODE_BYTES * s_byte, scale, first)
-    _store_fp16(cache_ptr, vbase + (VALUE_CODE_BYTES + 2) * s_byte, low, first)
+    store_fp16(cache_ptr, vbase + VALUE_CODE_BYTES * s_byte, scale, first)
+    store_fp16(cache_ptr, vbase + (VALUE_CODE_BYTES + 2) * s_byte, low, first)
     if PAD:
         tl.store(cache_ptr + vbase + (VALUE_CODE_BYTES + 4) * s_byte, tl.zeros_like(tok).to(tl.uint8), mask=first)
 
@@ -183,7 +131,7 @@ def _kv_write_kernel(
     itself in ``arrived`` [row blocks] (zeros), and the last to arrive adds them up in part order, writes
     the norm and puts the count back to zero (:mod:`~tqkv_compile.lowerings.arrivals`)."""
     wait_and_release(GDC)
-    tok, head, keep, base = _write_rows(slot_ptr, n_rows, num_kv_heads, s_blk, s_pos, s_head, BLOCK_SIZE, BLOCK_M)
+    tok, head, keep, base = write_rows(slot_ptr, n_rows, num_kv_heads, s_blk, s_pos, s_head, BLOCK_SIZE, BLOCK_M)
     part = tl.program_id(1)
     part_rows = tl.zeros_like(tok) + part  # per row: a mask of scalar & row-vector is not a bool (interpreter)
     if KEY_PARTS == 0:  # (a grid of one part: part == 0)
@@ -210,8 +158,8 @@ def _kv_write_kernel(
                     total = tl.zeros((BLOCK_M,), dtype=tl.float32)
                     for p in tl.static_range(KEY_PARTS):
                         total += tl.load(partial_ptr + rows * KEY_PARTS + p, volatile=True)
-                    _store_fp16(cache_ptr, base + KEY_CODE_BYTES * s_byte,
-                                tl.div_rn(norm, tl.sqrt_rn(total + 1e-16)), keep)
+                    store_fp16(cache_ptr, base + KEY_CODE_BYTES * s_byte,
+                               tl.div_rn(norm, tl.sqrt_rn(total + 1e-16)), keep)
                     tl.atomic_xchg(arrived_ptr + block, 0)  # zero again for the next launch (arrivals.py)
         else:
             vpart = part - KEY_PARTS

@@ -8,7 +8,11 @@ import os
 import sys
 
 KERNEL_MODULES = [
-    "tqkv_compile.lowerings.triton_general",
+    "tqkv_compile.lowerings.general_decode",
+    "tqkv_compile.lowerings.general_kv_write",
+    "tqkv_compile.lowerings.general_kv_dot",
+    "tqkv_compile.lowerings.general_dequant",
+    "tqkv_compile.lowerings.general_fields",
     "tqkv_compile.lowerings.triton_kv_dot",
     "tqkv_compile.lowerings.triton_attention",
     "tqkv_compile.lowerings.decode_stream",

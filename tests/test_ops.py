@@ -246,7 +246,7 @@ def test_a_backend_is_never_chosen_for_a_preset_it_cannot_serve():
     """A backend that knows vLLM's presets only is skipped for presets of ours (and refused when forced)."""
     own = get_preset(tqkv_compile.codec.own_preset_names()[0], 64)
     vllm_preset = get_preset("turboquant_4bit_nc", 64)
-    with tqkv_compile.use_backend("triton"):  # the Triton backend reads both (lowerings/triton_general.py)
+    with tqkv_compile.use_backend("triton"):  # the Triton backend reads both (lowerings/general_*.py)
         assert tqkv_compile.select_backend(torch.device("cpu"), vllm_preset).name == "triton"
         assert tqkv_compile.select_backend(torch.device("cpu"), own).name == "triton"
 

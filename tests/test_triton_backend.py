@@ -631,7 +631,7 @@ def test_ops_dispatch_to_the_triton_backend():
 @pytest.mark.parametrize("dim", HEAD_DIMS)
 @pytest.mark.parametrize("preset_name", own_preset_names())
 def test_presets_of_ours_in_the_triton_kernels(preset_name, dim, monkeypatch):
-    """The kernels that serve them (lowerings/triton_general.py's; vLLM's layout kernels for tqkv_4bit_pc, whose
+    """The kernels that serve them (lowerings/general_*.py; vLLM's layout kernels for tqkv_4bit_pc, whose
     write corrects the key norms): kv_write stores the codec's bytes (5-bit and 2-bit codes, wide runs at one
     bit more, the outlier channel, corrected norms), attention (decode and multi-token rows) and kv_dot read them
     as the reference does."""
@@ -742,7 +742,7 @@ def test_a_sequence_length_past_the_block_table_reads_only_the_table(kernel):
     """Lengths are checked on the host only outside CUDA-graph capture and with TQKV_CHECK_VALUES on; a length
     the host did not check is clamped in the kernel to the positions the block table addresses (the same result
     as that length), so the tile loop can neither read past the table nor run for ever."""
-    from tqkv_compile.lowerings import triton_attention, triton_general
+    from tqkv_compile.lowerings import general_decode, triton_attention
 
     preset = get_preset("tqkv_k5v3" if kernel == "general" else "turboquant_4bit_nc", 64)
     cache, table, _ = _filled_cache(preset, [40, 20], seed=9)
@@ -755,7 +755,7 @@ def test_a_sequence_length_past_the_block_table_reads_only_the_table(kernel):
         seq_lens = torch.tensor(lengths, dtype=torch.int32)
         if kernel == "general":
             rotation, centroids, _, offsets = backend.general_tables(preset, query.device)
-            return triton_general.decode_attention(query, cache, table, seq_lens, starts, 0.125, preset, rotation,
+            return general_decode.decode_attention(query, cache, table, seq_lens, starts, 0.125, preset, rotation,
                                                    centroids, offsets)
         rotation, centroids, _ = backend.tables(preset, query.device)
         return triton_attention.decode_attention(query, cache, table, seq_lens, starts, 0.125, preset, rotation,

@@ -12,7 +12,7 @@ cache per layer. Decoding the context once (O(context)) and handing it to a tens
 what vLLM's own TurboQuant backend does for continuation chunks too. Every key and value is read through the
 codec, as decode reads them; the decoded keys and values are rounded to the query dtype. The decode is one
 call for all the batch's dense sequences: the codec in PyTorch (:func:`codec_decode`, any preset) or the Triton
-backend's kernels (``triton_dequant`` for vLLM's layouts, ``triton_general`` for ours). Attention: where vLLM
+backend's kernels (``triton_dequant`` for vLLM's layouts, ``general_dequant`` for ours). Attention: where vLLM
 brings FlashAttention (CUDA), one varlen call for all of them (GQA, causal aligned bottom-right; FA3 on
 Hopper); else SDPA per sequence with a lower-right mask, which takes the memory-efficient kernel, which has no
 GQA, so its keys and values are repeated per query head.

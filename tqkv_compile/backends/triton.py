@@ -51,20 +51,21 @@ class TritonBackend:
         return usable and _triton_importable()
 
     def supports_preset(self, preset: Preset) -> bool:
-        """vLLM's four layouts (tuned kernels) and the presets of ours that ``triton_general`` reads."""
+        """vLLM's four layouts (tuned kernels) and the presets of ours that the general kernels read
+        (``general_fields.supports``)."""
         if preset.vllm_layout:
             return True
-        from tqkv_compile.lowerings import triton_general
+        from tqkv_compile.lowerings import general_fields
 
-        return triton_general.supports(preset)
+        return general_fields.supports(preset)
 
     def general_tables(self, preset: Preset, device: torch.device):
-        """(rotation, centroids, midpoints, offsets) for a preset of ours (``triton_general.tables``)."""
-        from tqkv_compile.lowerings import triton_general
+        """(rotation, centroids, midpoints, offsets) for a preset of ours (``general_fields.tables``)."""
+        from tqkv_compile.lowerings import general_fields
 
         key = ("general", preset.name, preset.head_dim, str(device))
         if key not in self._general:
-            self._general[key] = (preset.rotation(device).contiguous(), *triton_general.tables(preset, device))
+            self._general[key] = (preset.rotation(device).contiguous(), *general_fields.tables(preset, device))
         return self._general[key]
 
     def auto_selects(self, device: torch.device) -> bool:
@@ -109,10 +110,10 @@ class TritonBackend:
 
     def kv_write(self, key, value, kv_cache, slot_mapping, preset: Preset) -> None:
         if not preset.vllm_layout:
-            from tqkv_compile.lowerings import triton_general
+            from tqkv_compile.lowerings import general_kv_write
 
             rotation, _, midpoints, offsets = self.general_tables(preset, kv_cache.device)
-            triton_general.kv_write(key, value, kv_cache, slot_mapping, preset, rotation, midpoints, offsets)
+            general_kv_write.kv_write(key, value, kv_cache, slot_mapping, preset, rotation, midpoints, offsets)
             return
         from tqkv_compile.lowerings.triton_kv_write import kv_write
 
@@ -130,28 +131,28 @@ class TritonBackend:
 
     def dense_decode(self, kv_cache, slots, preset: Preset, dtype: torch.dtype):
         """The prefill path's keys and values (``prefill.dense_attention``'s ``decode``): one Triton kernel,
-        ``triton_dequant``'s for vLLM's layouts, ``triton_general``'s for presets of ours (the codec in PyTorch
+        ``triton_dequant``'s for vLLM's layouts, ``general_dequant``'s for presets of ours (the codec in PyTorch
         for a layout neither reads)."""
-        from tqkv_compile.lowerings import triton_dequant, triton_general
+        from tqkv_compile.lowerings import general_dequant, general_fields, triton_dequant
 
         if triton_dequant.supports(preset):
             _, centroids, _ = self.tables(preset, kv_cache.device)
             return triton_dequant.decode_slots(kv_cache, slots, preset, centroids, dtype)
-        if triton_general.supports(preset):
+        if general_fields.supports(preset):
             rotation, centroids, _, offsets = self.general_tables(preset, kv_cache.device)
-            return triton_general.decode_slots(kv_cache, slots, preset, rotation, centroids, offsets, dtype)
+            return general_dequant.decode_slots(kv_cache, slots, preset, rotation, centroids, offsets, dtype)
         return prefill.codec_decode(kv_cache, slots, preset, dtype)
 
     def decode_kernels(self, query, kv_cache, block_table, seq_lens, query_start_loc, scale, preset: Preset,
                        out=None):
         """The decode kernels alone for every row (no prefill plan): vLLM's presets on
         :mod:`~tqkv_compile.lowerings.triton_attention`'s (their merge stores into ``out`` where given), ours on
-        :mod:`~tqkv_compile.lowerings.triton_general`'s (what ``tqkv bench kernels`` times)."""
+        :mod:`~tqkv_compile.lowerings.general_decode`'s (what ``tqkv bench kernels`` times)."""
         if not preset.vllm_layout:
-            from tqkv_compile.lowerings import triton_general
+            from tqkv_compile.lowerings import general_decode
 
             rotation, centroids, _, offsets = self.general_tables(preset, query.device)
-            result = triton_general.decode_attention(query, kv_cache, block_table, seq_lens, query_start_loc,
+            result = general_decode.decode_attention(query, kv_cache, block_table, seq_lens, query_start_loc,
                                                      scale, preset, rotation, centroids, offsets)
             return result if out is None else out.copy_(result)
         from tqkv_compile.lowerings.triton_attention import decode_attention
@@ -162,10 +163,10 @@ class TritonBackend:
 
     def kv_dot(self, query, kv_cache, block_table, seq_lens, scale, preset: Preset):
         if not preset.vllm_layout:
-            from tqkv_compile.lowerings import triton_general
+            from tqkv_compile.lowerings import general_kv_dot
 
             rotation, centroids, _, offsets = self.general_tables(preset, query.device)
-            return triton_general.kv_dot(query, kv_cache, block_table, seq_lens, scale, preset, rotation, centroids,
+            return general_kv_dot.kv_dot(query, kv_cache, block_table, seq_lens, scale, preset, rotation, centroids,
                                          offsets)
         from tqkv_compile.lowerings.triton_kv_dot import kv_dot
 

@@ -153,7 +153,7 @@ def _decode_case(records, B, L, presets, vllm, tune, variants=None, cache_tokens
         nbytes = B * L * HK * p.slot_bytes
         backend = tqkv_compile.get_backend("triton")
         variants = [{}]
-        if not p.vllm_layout:  # a preset of ours: triton_general's kernel (no tuning knobs)
+        if not p.vllm_layout:  # a preset of ours: general_decode's kernel (no tuning knobs)
             call = lambda kw, bt: backend.decode_kernels(q, cache, bt, seq_lens, qsl, scale, p)  # noqa: E731
         else:
             rotation, centroids, _ = backend.tables(p, torch.device(dev))
@@ -210,7 +210,7 @@ def _write_case(records, T, presets, vllm):
         backend = tqkv_compile.get_backend("triton")
         cache = torch.zeros(num_blocks, BS, HK, p.slot_bytes, dtype=torch.uint8, device=dev)
         nbytes = T * HK * (2 * D * 2 + p.slot_bytes)
-        if not p.vllm_layout:  # a preset of ours: triton_general's kernel, no vLLM counterpart
+        if not p.vllm_layout:  # a preset of ours: general_kv_write's kernel, no vLLM counterpart
             write = lambda: backend.kv_write(key, value, cache, slots, p)  # noqa: E731
         else:
             rotation, centroids, midpoints = backend.tables(p, torch.device(dev))
