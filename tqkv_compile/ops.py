@@ -10,18 +10,17 @@ CPU tensors always, on CUDA tensors outside CUDA-graph capture, and never when `
 
 from __future__ import annotations
 
-import os
 
 import torch
 
-from tqkv_compile import backends
+from tqkv_compile import backends, env
 from tqkv_compile.codec import INPUT_DTYPES, Preset, get_preset
 
 _INDEX_DTYPES = (torch.int32, torch.int64)
 
 
 def _value_checks_enabled(t: torch.Tensor) -> bool:
-    if os.environ.get("TQKV_CHECK_VALUES", "1") == "0":
+    if env.get("TQKV_CHECK_VALUES", "1") == "0":
         return False
     return not (t.is_cuda and torch.cuda.is_current_stream_capturing())
 

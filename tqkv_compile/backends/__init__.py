@@ -17,11 +17,12 @@ from __future__ import annotations
 import contextlib
 import inspect
 import logging
-import os
 from dataclasses import dataclass
 from typing import Iterator, Protocol
 
 import torch
+
+from tqkv_compile import env
 
 logger = logging.getLogger("tqkv_compile")
 
@@ -123,7 +124,7 @@ def _supports_preset(backend: MemoryBackend, preset) -> bool:
 
 def select_backend(device: torch.device, preset=None) -> MemoryBackend:
     """The backend for tensors on ``device`` (and, if given, able to serve ``preset``)."""
-    name = _chosen or os.environ.get("TQKV_BACKEND") or None
+    name = _chosen or env.get("TQKV_BACKEND") or None
     if name:
         backend = get_backend(name)
         if not backend.supports(device):
@@ -162,7 +163,7 @@ def set_validate(enabled: bool | None) -> None:
 def validate_enabled() -> bool:
     if _validate is not None:
         return _validate
-    return os.environ.get("TQKV_VALIDATE", "0") not in ("", "0", "false", "False")
+    return env.get("TQKV_VALIDATE", "0") not in ("", "0", "false", "False")
 
 
 def record_validation(op: str, backend: str, diff: float) -> None:

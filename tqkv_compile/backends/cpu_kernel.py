@@ -21,7 +21,6 @@ decodes any field widths. Its encode (:func:`kv_write`) writes every one of thos
 from __future__ import annotations
 
 import hashlib
-import os
 import sys
 import threading
 import time
@@ -30,7 +29,7 @@ from typing import NamedTuple
 
 import torch
 
-from tqkv_compile import lloyd_max
+from tqkv_compile import env, lloyd_max
 from tqkv_compile.codec import Preset
 
 SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "cpu_decode.cpp"
@@ -54,7 +53,7 @@ def extension_name() -> str:
 
 def enabled() -> bool:
     """``TQKV_CPU_KERNEL`` is not ``0`` (read at every call: tests switch it)."""
-    return os.environ.get("TQKV_CPU_KERNEL", "1") not in ("0", "false", "False", "")
+    return env.get("TQKV_CPU_KERNEL", "1") not in ("0", "false", "False", "")
 
 
 def load() -> bool:
@@ -111,7 +110,19 @@ MAX_KEY_OUTLIERS = 4
 
 def supports_preset(preset: Preset) -> bool:
     """Head sizes 64 / 128 / 256, fp8 keys or Lloyd-Max keys of at most 5 bits (their wide coordinates' widths
-    included), values of 2 to 5 bits (likewise), at most 4 key outlier channels: every preset of codec.py."""
+    included), values of 2 to 5 bits (likewise), at most 4 key outlier channels: every preset of codec.py.
+    Decided once a preset object (asked three times a layer and step)."""
+    known = _supported.get(id(preset))
+    if known is None or known[0] is not preset:
+        known = _supported[id(preset)] = (preset, _supports(preset))
+    return known[1]
+
+
+#: id(preset) -> (the preset, whether the kernel reads it); the preset held so that its id is not reused
+_supported: dict[int, tuple[Preset, bool]] = {}
+
+
+def _supports(preset: Preset) -> bool:
     key_bits = preset.key_bits + (1 if preset.key_wide_coords else 0)
     value_bits = preset.value_bits + (1 if preset.value_wide_coords else 0)
     return (preset.head_dim in (64, 128, 256) and (preset.key_fp8 or 2 <= key_bits <= MAX_CODE_BITS)
@@ -215,7 +226,9 @@ def kv_write(key, value, kv_cache, slot_mapping, preset: Preset) -> None:
     if not load():
         raise RuntimeError("the CPU decode kernel is not available (see the [tqkv] line above)")
     key = key if key.stride(-1) == 1 else key.contiguous()
-    value = value.to(key.dtype) if value.stride(-1) == 1 else value.to(key.dtype).contiguous()
+    if value.dtype != key.dtype:
+        value = value.to(key.dtype)
+    value = value if value.stride(-1) == 1 else value.contiguous()
     torch.ops.tqkv_cpu.kv_write(
         key, value, kv_cache, slot_mapping, _tables(preset).encode,
         8 if preset.key_fp8 else preset.key_bits, preset.key_wide_coords, preset.key_outliers, preset.norm_at_write,

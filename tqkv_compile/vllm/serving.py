@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 import tqkv_compile  # noqa: F401  (registers torch.ops.tqkv.*)
-from tqkv_compile import ops
+from tqkv_compile import env, ops
 from tqkv_compile.codec import OWN_PRESETS, PRESETS, SUPPORTED_HEAD_DIMS, get_preset
 from tqkv_compile.vllm import PRESET_ENV, adapter
 
@@ -31,7 +31,7 @@ memory_backends: dict[str, str] = {}
 
 def own_preset() -> str | None:
     """The preset of ours asked for (``TQKV_PRESET``, set by ``enable(preset=...)``), or None."""
-    return os.environ.get(PRESET_ENV) or None
+    return env.get(PRESET_ENV) or None
 
 
 def stored_preset(cache_dtype: str) -> str:
@@ -204,7 +204,7 @@ TRACE_ENV = "TQKV_TRACE"
 
 
 def _tracing() -> bool:
-    return os.environ.get(TRACE_ENV, "0") not in ("", "0")
+    return env.get(TRACE_ENV, "0") not in ("", "0")
 
 
 def _trace(op: str, layer: Any, **fields: Any) -> None:
