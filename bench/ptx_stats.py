@@ -166,6 +166,8 @@ def stream_kernel(preset_name: str, dim: int, block_n: int, warps: int, maxnreg:
         constexprs.update(KEY_BITS=p.key_bits, VALUE_BITS=p.value_bits)
     if "GDC" in ds._decode_stream_kernel.arg_names:
         constexprs.update(GDC=pdl)
+    if "ROWS" in ds._decode_stream_kernel.arg_names:  # one row a program, splits fixed by the launch (the defaults)
+        constexprs.update(ROWS=1, LENGTH_AWARE=False)
     if "NC_DOT" in ds._decode_stream_kernel.arg_names:  # trees up to 07a1e9e: the query group as the dots' M side
         constexprs.update(NC_DOT=True)
     else:  # the dots turned around: the query group is their N side, padded to 8
