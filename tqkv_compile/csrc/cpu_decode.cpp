@@ -105,6 +105,28 @@ struct Problem {
   }
 };
 
+// Sequence b's slots of kv head h from position t on, in order (next()): Problem::slot without a division a
+// slot, the block's address looked up once a block.
+struct SlotWalk {
+  const Problem& P;
+  const int32_t* row;  // the sequence's block table row
+  int64_t head, index, in_block;
+  const uint8_t* block;
+
+  SlotWalk(const Problem& problem, int64_t b, int64_t h, int64_t t)
+      : P(problem), row(problem.block_table + b * problem.bt_stride), head(h * problem.s2),
+        index(t / problem.block_size), in_block(t % problem.block_size),
+        block(problem.cache + int64_t(row[index]) * problem.s0 + head) {}
+
+  const uint8_t* next() {
+    if (in_block == P.block_size) {
+      in_block = 0;
+      block = P.cache + int64_t(row[++index]) * P.s0 + head;
+    }
+    return block + in_block++ * P.s1;
+  }
+};
+
 inline float read_half(const uint8_t* p) {
   uint16_t bits;
   std::memcpy(&bits, p, 2);
@@ -562,15 +584,10 @@ TQKV_AVX2 void task_avx2(const Problem& P, int64_t b, int64_t h) {
   }
   for (int64_t t0 = 0; t0 < S.L; t0 += TP) {
     const int len = int(std::min<int64_t>(TP, S.L - t0));
-    // decode the tile's slots once (the block's address looked up once a block: no division a slot)
-    int64_t blk_index = t0 / P.block_size, in_block = t0 % P.block_size;
-    const uint8_t* block = P.cache + int64_t(P.block_table[b * P.bt_stride + blk_index]) * P.s0 + h * P.s2;
+    // decode the tile's slots once
+    SlotWalk walk(P, b, h, t0);
     for (int r = 0; r < len; ++r) {
-      if (in_block == P.block_size) {
-        in_block = 0;
-        block = P.cache + int64_t(P.block_table[b * P.bt_stride + ++blk_index]) * P.s0 + h * P.s2;
-      }
-      const uint8_t* slot = block + in_block++ * P.s1;
+      const uint8_t* slot = walk.next();
       float* k = S.keys.data() + r * D;
       if constexpr (KK == 8) {
         for (int c = 0; c < D; c += 8) _mm256_storeu_ps(k + c, fp8x8(slot + c));
@@ -706,14 +723,9 @@ TQKV_AVX2 void task_avx2_general(const Problem& P, int64_t b, int64_t h) {
   const int64_t kw = P.key_wide, vw = P.value_wide, no = S.outliers;
   for (int64_t t0 = 0; t0 < S.L; t0 += TP) {
     const int len = int(std::min<int64_t>(TP, S.L - t0));
-    int64_t blk_index = t0 / P.block_size, in_block = t0 % P.block_size;
-    const uint8_t* block = P.cache + int64_t(P.block_table[b * P.bt_stride + blk_index]) * P.s0 + h * P.s2;
+    SlotWalk walk(P, b, h, t0);
     for (int r = 0; r < len; ++r) {
-      if (in_block == P.block_size) {
-        in_block = 0;
-        block = P.cache + int64_t(P.block_table[b * P.bt_stride + ++blk_index]) * P.s0 + h * P.s2;
-      }
-      slots[r] = block + in_block++ * P.s1;
+      slots[r] = walk.next();
     }
     if (kb == 8) {
       for (int r = 0; r < len; ++r) {
@@ -991,14 +1003,9 @@ TQKV_AVX512 void task_avx512(const Problem& P, int64_t b, int64_t h) {
   const uint8_t* value_codes[TP];
   for (int64_t t0 = 0; t0 < S.L; t0 += TP) {
     const int len = int(std::min<int64_t>(TP, S.L - t0));
-    int64_t blk_index = t0 / P.block_size, in_block = t0 % P.block_size;
-    const uint8_t* block = P.cache + int64_t(P.block_table[b * P.bt_stride + blk_index]) * P.s0 + h * P.s2;
+    SlotWalk walk(P, b, h, t0);
     for (int r = 0; r < len; ++r) {
-      if (in_block == P.block_size) {
-        in_block = 0;
-        block = P.cache + int64_t(P.block_table[b * P.bt_stride + ++blk_index]) * P.s0 + h * P.s2;
-      }
-      const uint8_t* slot = block + in_block++ * P.s1;
+      const uint8_t* slot = walk.next();
       float* k = S.keys.data() + r * D;
       if constexpr (KK == 8) {
         for (int c = 0; c < D; c += 16) _mm512_storeu_ps(k + c, fp8x16(slot + c));
