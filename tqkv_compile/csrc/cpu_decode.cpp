@@ -151,21 +151,40 @@ inline float load_elem(const void* base, int qtype, int64_t i) {
   return static_cast<const float*>(base)[i];
 }
 
-// y[D] <- y @ (H sqrt(D)): the Walsh-Hadamard transform in Sylvester order (H's signs), in place, D a multiple
-// of 8. Written to vectorise: each 8 coordinates times H_8 (the first three butterfly stages; sums of 8 values of
-// fp32 precision, exact in fp64 unless their magnitudes lie 2^26 apart), then the butterflies across groups of 8.
-inline __attribute__((always_inline)) void walsh_hadamard(double* y, int64_t D) {
-  static constexpr double h8[8][8] = {
-      {1, 1, 1, 1, 1, 1, 1, 1},     {1, -1, 1, -1, 1, -1, 1, -1}, {1, 1, -1, -1, 1, 1, -1, -1},
-      {1, -1, -1, 1, 1, -1, -1, 1}, {1, 1, 1, 1, -1, -1, -1, -1}, {1, -1, 1, -1, -1, 1, -1, 1},
-      {1, 1, -1, -1, -1, -1, 1, 1}, {1, -1, -1, 1, -1, 1, 1, -1}};
-  for (int64_t g = 0; g < D; g += 8) {
-    double sum[8] = {};
-    for (int k = 0; k < 8; ++k)
-      for (int j = 0; j < 8; ++j) sum[j] += y[g + k] * h8[k][j];
-    for (int j = 0; j < 8; ++j) y[g + j] = sum[j];
+#define TQKV_INLINE inline __attribute__((always_inline))
+
+// dst[n] <- n elements of base (fp32 / bf16 / fp16) from element `at`, as fp32.
+TQKV_INLINE void load_row(const void* base, int qtype, int64_t at, int64_t n, float* dst) {
+  if (qtype == kBF16) {
+    const uint16_t* s = static_cast<const uint16_t*>(base) + at;
+    for (int64_t d = 0; d < n; ++d) {
+      const uint32_t bits = uint32_t(s[d]) << 16;
+      std::memcpy(dst + d, &bits, 4);
+    }
+  } else if (qtype == kF16) {
+    const c10::Half* s = static_cast<const c10::Half*>(base) + at;
+    for (int64_t d = 0; d < n; ++d) dst[d] = float(s[d]);
+  } else {
+    std::memcpy(dst, static_cast<const float*>(base) + at, n * sizeof(float));
   }
-  for (int64_t len = 8; len < D; len <<= 1)
+}
+
+// base[at .. at + n) <- src[n] in base's dtype (fp32 / bf16 / fp16; round to nearest even).
+TQKV_INLINE void store_row(void* base, int qtype, int64_t at, int64_t n, const float* src) {
+  if (qtype == kBF16) {
+    c10::BFloat16* d = static_cast<c10::BFloat16*>(base) + at;
+    for (int64_t i = 0; i < n; ++i) d[i] = c10::BFloat16(src[i]);
+  } else if (qtype == kF16) {
+    c10::Half* d = static_cast<c10::Half*>(base) + at;
+    for (int64_t i = 0; i < n; ++i) d[i] = c10::Half(src[i]);
+  } else {
+    std::memcpy(static_cast<float*>(base) + at, src, n * sizeof(float));
+  }
+}
+
+// y[D] <- y @ (H sqrt(D)): the Walsh-Hadamard transform in Sylvester order (H's signs), in place.
+TQKV_INLINE void walsh_hadamard(double* y, int64_t D) {
+  for (int64_t len = 1; len < D; len <<= 1)
     for (int64_t i = 0; i < D; i += 2 * len)
       for (int64_t k = i; k < i + len; ++k) {
         const double a = y[k], b = y[k + len];
@@ -183,18 +202,17 @@ void rotate_in_place(float* x, int64_t D, float h_entry) {
 
 // The query vectors of sequence b's rows and kv head h's group, fp32 [n G, D], rotated into the keys' stored
 // basis (rotate) or as given (the original basis, where the key outliers' channels are).
-void load_queries(const Problem& P, int64_t first, int64_t n, int64_t h, float* dst, bool rotate) {
-  const int64_t D = P.D, G = P.group;
-  double y[256];
+template <int DIM>  // P.D where not 0 (a constant: the rotation vectorises)
+TQKV_INLINE void load_queries(const Problem& P, int64_t first, int64_t n, int64_t h, float* dst, bool rotate) {
+  const int64_t D = DIM ? DIM : P.D, G = P.group;
+  alignas(64) double y[256];
   for (int64_t j = 0; j < n; ++j)
     for (int64_t g = 0; g < G; ++g) {
       const int64_t at = (first + j) * P.q_st + (h * G + g) * P.q_sh;
       float* q = dst + (j * G + g) * D;
-      if (!rotate) {
-        for (int64_t d = 0; d < D; ++d) q[d] = load_elem(P.q, P.qtype, at + d);
-        continue;
-      }
-      for (int64_t d = 0; d < D; ++d) y[d] = load_elem(P.q, P.qtype, at + d);
+      load_row(P.q, P.qtype, at, D, q);
+      if (!rotate) continue;
+      for (int64_t d = 0; d < D; ++d) y[d] = q[d];
       walsh_hadamard(y, D);
       for (int64_t d = 0; d < D; ++d) q[d] = float(y[d] * double(P.h_entry));
     }
@@ -209,14 +227,14 @@ inline int64_t nibble_position(int64_t d, int group) {
 }
 
 // Row `row`, query head `head` of out from fp32 o[D] (o[nibble_position(d, nibble_group)]).
-void store_output(const Problem& P, int64_t row, int64_t head, const float* o, int nibble_group) {
-  const int64_t D = P.D, at = row * P.o_st + head * P.o_sh;
-  for (int64_t d = 0; d < D; ++d) {
-    const float v = o[nibble_position(d, nibble_group)];
-    if (P.qtype == kBF16) static_cast<c10::BFloat16*>(P.out)[at + d] = c10::BFloat16(v);
-    else if (P.qtype == kF16) static_cast<c10::Half*>(P.out)[at + d] = c10::Half(v);
-    else static_cast<float*>(P.out)[at + d] = v;
+TQKV_INLINE void store_output(const Problem& P, int64_t row, int64_t head, const float* o, int nibble_group) {
+  const int64_t D = P.D;
+  alignas(64) float ordered[256];
+  if (nibble_group) {
+    for (int64_t d = 0; d < D; ++d) ordered[d] = o[nibble_position(d, nibble_group)];
+    o = ordered;
   }
+  store_row(P.out, P.qtype, row * P.o_st + head * P.o_sh, D, o);
 }
 
 inline int code_at(const uint8_t* codes, int bits, int64_t i) {
@@ -267,8 +285,8 @@ void task_scalar(const Problem& P, int64_t b, int64_t h) {
   const int64_t D = P.D, G = P.group, nq = n * G, no = P.key_outliers;
   std::vector<float> acc(nq * D, 0.f), m(nq, kNegInf), l(nq, 0.f), z(nq, 0.f), key(D), val(D), qbuf(nq * D);
   std::vector<float> qorig(no ? nq * D : 0);
-  load_queries(P, first, n, h, qbuf.data(), P.rotate);
-  if (no) load_queries(P, first, n, h, qorig.data(), false);
+  load_queries<0>(P, first, n, h, qbuf.data(), P.rotate);
+  if (no) load_queries<0>(P, first, n, h, qorig.data(), false);
   int64_t out_index[kMaxOutliers];
   float out_coef[kMaxOutliers];
   const float mid = 0.5f * float((1 << P.value_bits) - 1);
@@ -475,23 +493,40 @@ TQKV_AVX2 inline __m256 dot8(const float* q, const float* keys) {
 // vector. The tile's keys [TP, D] (stored basis) with logit factors kf[TP] (scale times nf), its values
 // [TP, D] (centred codes, or centroids in the rotated basis) with factors vs[TP] and offsets vz[TP]; with key
 // outliers, their channels out_index[o TP + r] and logit terms out_coef[o TP + r] (scale (outlier - nf (c H)_k)).
+// A task's fp32 buffer: n floats of the calling thread's arena (one task at a time a thread; no allocation once
+// the arena is as large as a task needs).
+struct Floats {
+  float* p;
+  float* data() const { return p; }
+  float& operator[](int64_t i) const { return p[i]; }
+};
+
 template <int D, int TILE = 2048 / D>
 struct TaskState {
   static constexpr int TP = TILE;  // positions a tile (AVX2: 32 / 16 / 8 at heads 64 / 128 / 256)
   int64_t first, n, L, G, nq, outliers;
-  std::vector<float> queries, originals, keys, vals, acc, scores, m, l, z;
+  Floats queries, originals, keys, vals, acc, scores, m, l, z;
   alignas(64) float kf[TP] = {}, vs[TP] = {}, vz[TP] = {}, w[TP] = {}, sumsq[8 * TP] = {}, vsumsq[8 * TP] = {};
   alignas(32) int32_t out_index[kMaxOutliers * TP] = {};
   alignas(32) float out_coef[kMaxOutliers * TP] = {};
 
-  TaskState(const Problem& P, int64_t b, int64_t h, int64_t outlier_channels)
+  __attribute__((always_inline)) TaskState(const Problem& P, int64_t b, int64_t h, int64_t outlier_channels)
       : first(P.starts[b]), n(P.starts[b + 1] - first), L(P.seq_lens[b]), G(P.group),
-        nq(std::max<int64_t>(n, 0) * G), outliers(outlier_channels), queries(nq * D), originals(outliers ? nq * D : 0),
-        keys(TP * D, 0.f), vals(TP * D, 0.f), acc(nq * D, 0.f), scores(nq * TP, 0.f), m(nq, kNegInf), l(nq, 0.f),
-        z(nq, 0.f) {
+        nq(std::max<int64_t>(n, 0) * G), outliers(outlier_channels) {
+    thread_local std::vector<float> arena;
+    const int64_t sizes[9] = {nq * D, outliers ? nq * D : 0, TP * D, TP * D, nq * D, nq * TP, nq, nq, nq};
+    int64_t total = 0;
+    for (int64_t size : sizes) total += size;
+    if (int64_t(arena.size()) < total) arena.resize(total);
+    float* at = arena.data();
+    Floats* bufs[9] = {&queries, &originals, &keys, &vals, &acc, &scores, &m, &l, &z};
+    for (int i = 0; i < 9; ++i) bufs[i]->p = at, at += sizes[i];
+    std::fill(keys.p, m.p, 0.f);  // keys, vals, acc, scores
+    std::fill(m.p, l.p, kNegInf);
+    std::fill(l.p, at, 0.f);  // l, z
     if (nq == 0) return;
-    load_queries(P, first, n, h, queries.data(), P.rotate);
-    if (outliers) load_queries(P, first, n, h, originals.data(), false);
+    load_queries<D>(P, first, n, h, queries.data(), P.rotate);
+    if (outliers) load_queries<D>(P, first, n, h, originals.data(), false);
   }
 };
 
@@ -1100,6 +1135,22 @@ bool cpu_has_avx512() { return false; }
 
 // ---------------------------------------------------------------------------------------------------------
 
+// A 1-d int32 / int64 CPU tensor's values as int64 (a few per sequence: no tensor op, no allocation by torch).
+std::vector<int64_t> int64_values(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.dim() == 1 && (t.scalar_type() == at::kInt || t.scalar_type() == at::kLong), name,
+              ": a 1-d int32 or int64 tensor");
+  std::vector<int64_t> values(t.numel());
+  const int64_t stride = t.stride(0);
+  if (t.scalar_type() == at::kInt) {
+    const int32_t* p = t.data_ptr<int32_t>();
+    for (int64_t i = 0; i < t.numel(); ++i) values[i] = p[i * stride];
+  } else {
+    const int64_t* p = t.data_ptr<int64_t>();
+    for (int64_t i = 0; i < t.numel(); ++i) values[i] = p[i * stride];
+  }
+  return values;
+}
+
 void decode_attention(const at::Tensor& query, const at::Tensor& cache, const at::Tensor& block_table,
                       const at::Tensor& seq_lens, const at::Tensor& starts, const at::Tensor& tables,
                       const at::Tensor& hadamard, at::Tensor out,
@@ -1115,14 +1166,13 @@ void decode_attention(const at::Tensor& query, const at::Tensor& cache, const at
   TORCH_CHECK(cache.scalar_type() == at::kByte && cache.dim() == 4 && cache.stride(3) == 1 &&
                   cache.size(3) >= slot_bytes,
               "kv_cache: uint8 [num_blocks, block_size, Hk, slot_bytes] with contiguous slots");
-  // the index tensors as the loops read them: a no-op for int32 block tables and int64 lengths, a small copy
-  // for vLLM's int32 lengths (here rather than in Python: ~10 us of dispatch a layer saved)
+  // the index tensors as the loops read them: a no-op for int32 block tables; lengths and row starts copied as
+  // int64 (vLLM's are int32) without a tensor op
   const at::Tensor bt = block_table.to(at::kInt).contiguous();
-  const at::Tensor lens = seq_lens.to(at::kLong).contiguous();
-  const at::Tensor row_starts = starts.to(at::kLong).contiguous();
   TORCH_CHECK(bt.dim() == 2, "block_table: [B, M]");
-  TORCH_CHECK(lens.dim() == 1 && row_starts.dim() == 1 && row_starts.numel() == lens.numel() + 1,
+  TORCH_CHECK(seq_lens.dim() == 1 && starts.dim() == 1 && starts.numel() == seq_lens.numel() + 1,
               "seq_lens, starts: [B], [B + 1]");
+  const std::vector<int64_t> lens = int64_values(seq_lens, "seq_lens"), row_starts = int64_values(starts, "starts");
   TORCH_CHECK(tables.scalar_type() == at::kFloat && tables.is_contiguous() && tables.numel() == 4 * 32,
               "tables: fp32 [4, 32]");
   const int64_t D = query.size(2);
@@ -1150,8 +1200,8 @@ void decode_attention(const at::Tensor& query, const at::Tensor& cache, const at
   P.block_size = cache.size(1);
   P.block_table = bt.data_ptr<int32_t>();
   P.bt_stride = bt.size(1);
-  P.seq_lens = lens.data_ptr<int64_t>();
-  P.starts = row_starts.data_ptr<int64_t>();
+  P.seq_lens = lens.data();
+  P.starts = row_starts.data();
   P.Hq = query.size(1), P.Hk = cache.size(2), P.D = D;
   TORCH_CHECK(P.Hq % P.Hk == 0, "query heads: a multiple of the cache's kv heads");
   P.group = P.Hq / P.Hk;
@@ -1199,33 +1249,14 @@ bool has_avx512() { return cpu_has_avx512(); }
 // encode's ~40 small ops cost more than the arithmetic. Same formulas, op for op in fp32 where torch computes in
 // fp32; the norm, the rotation (a Walsh-Hadamard transform: x @ H with H = h * signs) and the sums of squares in
 // fp64 then rounded, so a code may differ from torch's (its own fp32 sums) only where the rotated coordinate
-// sits within float rounding of a midpoint. The loops are written so that the compiler vectorises them (a
-// vector's coordinates side by side; sums in 8 partial fp64 sums), and compiled twice, for the baseline and
-// for AVX-512 (chosen at run time): a 64-coordinate key and value pair takes ~0.1 us instead of ~0.6 one
-// coordinate at a time.
-
-#define TQKV_INLINE inline __attribute__((always_inline))
+// sits within float rounding of a midpoint. The loops take a vector's coordinates side by side (rows loaded by
+// dtype, fp64 sums in 8 parts, midpoints counted a coordinate vector at a time, 8 codes packed a word), so that
+// the compiler vectorises them; compiled twice, for the baseline and for AVX-512, chosen at run time.
 
 // A Lloyd-Max field's tables: centroids and midpoints of its b-bit codes and of its wide coordinates' b + 1.
 struct FieldTables {
   const float *centroids, *midpoints, *wide_centroids, *wide_midpoints;
 };
-
-// dst[n] <- n elements of base (fp32 / bf16 / fp16) from element `at`, as fp32.
-TQKV_INLINE void load_row(const void* base, int qtype, int64_t at, int64_t n, float* dst) {
-  if (qtype == kBF16) {
-    const uint16_t* s = static_cast<const uint16_t*>(base) + at;
-    for (int64_t d = 0; d < n; ++d) {
-      const uint32_t bits = uint32_t(s[d]) << 16;
-      std::memcpy(dst + d, &bits, 4);
-    }
-  } else if (qtype == kF16) {
-    const c10::Half* s = static_cast<const c10::Half*>(base) + at;
-    for (int64_t d = 0; d < n; ++d) dst[d] = float(s[d]);
-  } else {
-    std::memcpy(dst, static_cast<const float*>(base) + at, n * sizeof(float));
-  }
-}
 
 // The sum of x[d]^2 (fp32 values, fp64 sum) over n, a multiple of 8.
 TQKV_INLINE double sum_of_squares(const float* x, int64_t n) {
