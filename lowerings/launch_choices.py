@@ -165,13 +165,21 @@ def stream_block_n(preset: Preset, kernel: str, rows: int, kv_heads: int, max_le
     return 128 if preset.key_fp8 and programs >= 2 * sm_count(device) else 64
 
 
-def stream_maxnreg(dim: int) -> int:
-    """The stream kernel's register cap: 128 up to head 128 (4 programs an SM without spills at 8 columns;
-    faster than 168: docs/performance-history.md), 168 at head 256, where 128 spills ~0.5 KB a thread (sm_90a
-    compile; not timed). Rows packed into 16 or 32 columns spill under it (432 / 520 bytes a thread at head 128;
-    docs/performance-history.md has the caps that would not, untimed). Without a hand prefetch (the default: the
-    registers it holds cost more than it hides)."""
-    return 128 if dim <= 128 else 168
+def stream_maxnreg(dim: int, columns: int = 1) -> int:
+    """The stream kernel's register cap for ``columns`` query vectors a program (rows packed x query-head group).
+    One row a program (up to 8 columns): 128 up to head 128 (4 programs an SM without spills; faster than 168),
+    168 at head 256, where 128 spills ~0.5 KB a thread (sm_90a compile; not timed). Rows packed into more columns
+    at head 128: 168 up to 16 columns, 192 above; under 128 they spilled 432 / 520 bytes a thread, and in one
+    H100 start (bench/results/h100-launch-sweep-rows.json, 32 x 16384, 4 rows a sequence) the caps took 32 / 8
+    heads (16 columns) 823 -> 586 us for 4bit_nc and 1325 -> 517 for k8v4, 28 / 4 heads (28 columns) 573 -> 428
+    and 1079 -> 369 (192; 168 gave 408 and 501). Head 64 keeps 128 (its packed rows were not timed with caps).
+    Without a hand prefetch (the default: the registers it holds cost more than it hides). The measurements:
+    docs/performance-history.md."""
+    if dim > 128:
+        return 168
+    if dim < 128 or columns <= 8:
+        return 128
+    return 168 if columns <= 16 else 192
 
 
 def query_in_stream_kernel(preset: Preset, dtype: torch.dtype, interpret: bool) -> bool:

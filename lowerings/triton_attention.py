@@ -130,7 +130,7 @@ def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: t
     if block_n is None:
         block_n = stream_block_n(preset, kernel, rows, kv_heads, max_len, query.device)
     if kernel == "stream" and not interpret:
-        maxnreg = maxnreg or stream_maxnreg(dim)
+        maxnreg = maxnreg or stream_maxnreg(dim, packed * group)
     occupancy = programs_per_sm(maxnreg, num_warps or 4) if kernel != "bytes" and maxnreg else None
     length_aware = length_aware and kernel != "bytes"
     if splits is None:

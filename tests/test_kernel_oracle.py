@@ -179,6 +179,17 @@ def test_general_kernel_and_kv_dot_meet_the_oracle_for_a_preset_of_ours():
     torch.testing.assert_close(logits[finite], exact[finite], rtol=0, atol=2e-3)
 
 
+def test_stream_kernel_register_cap_grows_with_packed_columns_at_head_128():
+    """The cap follows the packed columns at head 128 (128 at one row's up to 8 columns, 168 to 16, 192 above: the
+    H100 sweep's caps without spills), and stays 128 at head 64 and 168 at head 256 whatever the columns."""
+    from tqkv_compile.lowerings.launch_choices import programs_per_sm, stream_maxnreg
+
+    assert [stream_maxnreg(128, c) for c in (1, 4, 8, 12, 16, 28, 32)] == [128, 128, 128, 168, 168, 192, 192]
+    assert {stream_maxnreg(64, c) for c in (1, 16, 32)} == {128} and {stream_maxnreg(256, c) for c in (1, 32)} == {168}
+    # fewer programs an SM as the cap grows: the split count's wave model sees it
+    assert programs_per_sm(128, 4) > programs_per_sm(168, 4) > programs_per_sm(192, 4)
+
+
 def test_stream_kernel_serves_several_rows_a_sequence_from_one_read():
     """Rows of a sequence packed into one program (``rows_per_program``) answer as one row a program does and
     meet the oracle: 4 and 3 rows a sequence, packed by 3 (a block straddles nothing: each sequence has its own),
