@@ -164,12 +164,9 @@ def attention(query, kv_cache, block_table, seq_lens, query_start_loc, scale, pr
         raise RuntimeError("the CPU decode kernel is not available (see the [tqkv] line above)")
     q = query if query.shape[-1] <= 1 or query.stride(-1) == 1 else query.contiguous()
     into = out if out is not None and (out.shape[-1] <= 1 or out.stride(-1) == 1) else torch.empty_like(q)
-    torch.ops.tqkv_cpu.decode_attention(
-        q, kv_cache, block_table, seq_lens, query_start_loc, _tables(preset).decode, preset.rotation(), into,
-        float(scale),
-        8 if preset.key_fp8 else preset.key_bits, preset.key_wide_coords, preset.key_outliers,
-        preset.norm_correction, preset.value_bits, preset.value_wide_coords, preset.value_lloyd_max,
-        preset.key_code_bytes, preset.key_bytes, preset.value_code_bytes, preset.slot_bytes, ISAS.index(isa))
+    args = _launch_args(preset)
+    torch.ops.tqkv_cpu.decode_attention.default(q, kv_cache, block_table, seq_lens, query_start_loc, *args.decode_tensors,
+                                                into, float(scale), *args.decode_layout, ISAS.index(isa))
     if out is not None and into is not out:
         out.copy_(into)
         return out
@@ -207,6 +204,36 @@ def _tables(preset: Preset) -> Tables:
     return _tables_made[k]
 
 
+class LaunchArgs(NamedTuple):
+    """A preset's constant arguments of the two ops, in their order: ``decode_tensors`` (the centroid tables and
+    the rotation H) and ``decode_layout`` (the slot layout's fields) of ``decode_attention``, ``encode`` (tables
+    and fields) of ``kv_write``."""
+
+    decode_tensors: tuple
+    decode_layout: tuple
+    encode: tuple
+
+
+def _launch_args(preset: Preset) -> LaunchArgs:
+    """The preset's :class:`LaunchArgs`, made once a preset object (read at every layer and step: a dozen
+    property reads a call otherwise)."""
+    known = _launch_args_made.get(id(preset))
+    if known is None or known[0] is not preset:
+        p, key_kind = preset, 8 if preset.key_fp8 else preset.key_bits
+        made = LaunchArgs(
+            (_tables(p).decode, p.rotation()),
+            (key_kind, p.key_wide_coords, p.key_outliers, p.norm_correction, p.value_bits, p.value_wide_coords,
+             p.value_lloyd_max, p.key_code_bytes, p.key_bytes, p.value_code_bytes, p.slot_bytes),
+            (_tables(p).encode, key_kind, p.key_wide_coords, p.key_outliers, p.norm_at_write, p.value_bits,
+             p.value_wide_coords, p.value_lloyd_max, p.key_code_bytes, p.key_bytes, p.value_code_bytes, p.slot_bytes))
+        known = _launch_args_made[id(preset)] = (preset, made)
+    return known[1]
+
+
+#: id(preset) -> (the preset, its LaunchArgs); the preset held so that its id is not reused
+_launch_args_made: dict[int, tuple[Preset, LaunchArgs]] = {}
+
+
 def serves_write(preset: Preset, key: torch.Tensor, kv_cache: torch.Tensor) -> bool:
     """Whether :func:`kv_write` serves this call: CPU tensors, a supported preset, the kernel on. Any number of
     tokens: the kernel's encode is faster than the PyTorch one at a prefill's too (8192 tokens x 3 kv heads:
@@ -229,8 +256,4 @@ def kv_write(key, value, kv_cache, slot_mapping, preset: Preset) -> None:
     if value.dtype != key.dtype:
         value = value.to(key.dtype)
     value = value if value.stride(-1) == 1 else value.contiguous()
-    torch.ops.tqkv_cpu.kv_write(
-        key, value, kv_cache, slot_mapping, _tables(preset).encode,
-        8 if preset.key_fp8 else preset.key_bits, preset.key_wide_coords, preset.key_outliers, preset.norm_at_write,
-        preset.value_bits, preset.value_wide_coords, preset.value_lloyd_max, preset.key_code_bytes, preset.key_bytes,
-        preset.value_code_bytes, preset.slot_bytes)
+    torch.ops.tqkv_cpu.kv_write.default(key, value, kv_cache, slot_mapping, *_launch_args(preset).encode)
