@@ -145,12 +145,6 @@ inline float fp8_e4m3_to_float(uint8_t x) {
   return (x & 0x80) ? -v : v;
 }
 
-inline float load_elem(const void* base, int qtype, int64_t i) {
-  if (qtype == kBF16) return float(static_cast<const c10::BFloat16*>(base)[i]);
-  if (qtype == kF16) return float(static_cast<const c10::Half*>(base)[i]);
-  return static_cast<const float*>(base)[i];
-}
-
 #define TQKV_INLINE inline __attribute__((always_inline))
 
 // dst[n] <- n elements of base (fp32 / bf16 / fp16) from element `at`, as fp32.
@@ -202,9 +196,8 @@ void rotate_in_place(float* x, int64_t D, float h_entry) {
 
 // The query vectors of sequence b's rows and kv head h's group, fp32 [n G, D], rotated into the keys' stored
 // basis (rotate) or as given (the original basis, where the key outliers' channels are).
-template <int DIM>  // P.D where not 0 (a constant: the rotation vectorises)
 TQKV_INLINE void load_queries(const Problem& P, int64_t first, int64_t n, int64_t h, float* dst, bool rotate) {
-  const int64_t D = DIM ? DIM : P.D, G = P.group;
+  const int64_t D = P.D, G = P.group;
   alignas(64) double y[256];
   for (int64_t j = 0; j < n; ++j)
     for (int64_t g = 0; g < G; ++g) {
@@ -285,8 +278,8 @@ void task_scalar(const Problem& P, int64_t b, int64_t h) {
   const int64_t D = P.D, G = P.group, nq = n * G, no = P.key_outliers;
   std::vector<float> acc(nq * D, 0.f), m(nq, kNegInf), l(nq, 0.f), z(nq, 0.f), key(D), val(D), qbuf(nq * D);
   std::vector<float> qorig(no ? nq * D : 0);
-  load_queries<0>(P, first, n, h, qbuf.data(), P.rotate);
-  if (no) load_queries<0>(P, first, n, h, qorig.data(), false);
+  load_queries(P, first, n, h, qbuf.data(), P.rotate);
+  if (no) load_queries(P, first, n, h, qorig.data(), false);
   int64_t out_index[kMaxOutliers];
   float out_coef[kMaxOutliers];
   const float mid = 0.5f * float((1 << P.value_bits) - 1);
@@ -489,10 +482,6 @@ TQKV_AVX2 inline __m256 dot8(const float* q, const float* keys) {
   return reduce8(a0, a1, a2, a3, a4, a5, a6, a7);
 }
 
-// A task's state: its query vectors, one tile of TP decoded positions, and the online softmax of every query
-// vector. The tile's keys [TP, D] (stored basis) with logit factors kf[TP] (scale times nf), its values
-// [TP, D] (centred codes, or centroids in the rotated basis) with factors vs[TP] and offsets vz[TP]; with key
-// outliers, their channels out_index[o TP + r] and logit terms out_coef[o TP + r] (scale (outlier - nf (c H)_k)).
 // A task's fp32 buffer: n floats of the calling thread's arena (one task at a time a thread; no allocation once
 // the arena is as large as a task needs).
 struct Floats {
@@ -501,6 +490,10 @@ struct Floats {
   float& operator[](int64_t i) const { return p[i]; }
 };
 
+// A task's state: its query vectors, one tile of TP decoded positions, and the online softmax of every query
+// vector. The tile's keys [TP, D] (stored basis) with logit factors kf[TP] (scale times nf), its values
+// [TP, D] (centred codes, or centroids in the rotated basis) with factors vs[TP] and offsets vz[TP]; with key
+// outliers, their channels out_index[o TP + r] and logit terms out_coef[o TP + r] (scale (outlier - nf (c H)_k)).
 template <int D, int TILE = 2048 / D>
 struct TaskState {
   static constexpr int TP = TILE;  // positions a tile (AVX2: 32 / 16 / 8 at heads 64 / 128 / 256)
@@ -525,8 +518,8 @@ struct TaskState {
     std::fill(m.p, l.p, kNegInf);
     std::fill(l.p, at, 0.f);  // l, z
     if (nq == 0) return;
-    load_queries<D>(P, first, n, h, queries.data(), P.rotate);
-    if (outliers) load_queries<D>(P, first, n, h, originals.data(), false);
+    load_queries(P, first, n, h, queries.data(), P.rotate);
+    if (outliers) load_queries(P, first, n, h, originals.data(), false);
   }
 };
 
@@ -1342,11 +1335,9 @@ struct WriteJob {
   bool norm_at_write, value_lloyd_max;
 };
 
-// Items begin .. end - 1 (item: token item / Hk, kv head item % Hk) encoded into their slots; J.D == D (a
-// constant: the loops unroll and vectorise).
-template <int DIM>
+// Items begin .. end - 1 (item: token item / Hk, kv head item % Hk) encoded into their slots.
 TQKV_INLINE void encode_items(const WriteJob& J, int64_t begin, int64_t end) {
-  const int64_t D = DIM ? DIM : J.D;
+  const int64_t D = J.D;
   const int top = (1 << J.value_bits) - 1;
   for (int64_t item = begin; item < end; ++item) {
     const int64_t t = item / J.Hk, h = item % J.Hk, slot = J.slots[t];
@@ -1394,17 +1385,9 @@ TQKV_INLINE void encode_items(const WriteJob& J, int64_t begin, int64_t end) {
   }
 }
 
-// the head sizes as constants, other powers of two as a variable (the general walk)
-TQKV_INLINE void encode_any(const WriteJob& J, int64_t begin, int64_t end) {
-  if (J.D == 64) encode_items<64>(J, begin, end);
-  else if (J.D == 128) encode_items<128>(J, begin, end);
-  else if (J.D == 256) encode_items<256>(J, begin, end);
-  else encode_items<0>(J, begin, end);
-}
-
-void encode_items_portable(const WriteJob& J, int64_t begin, int64_t end) { encode_any(J, begin, end); }
+void encode_items_portable(const WriteJob& J, int64_t begin, int64_t end) { encode_items(J, begin, end); }
 #ifdef TQKV_X86
-TQKV_AVX512 void encode_items_avx512(const WriteJob& J, int64_t begin, int64_t end) { encode_any(J, begin, end); }
+TQKV_AVX512 void encode_items_avx512(const WriteJob& J, int64_t begin, int64_t end) { encode_items(J, begin, end); }
 #endif
 
 void kv_write(const at::Tensor& key, const at::Tensor& value, at::Tensor cache, const at::Tensor& slot_mapping,
