@@ -67,9 +67,12 @@ def passed(layer_name: str, cache: torch.Tensor, preset: Any, op: str) -> None:
     """Record that ``op`` ("write" / "attention") of this layer passed the ops' checks on ``cache``: the route
     opens for its later calls where the PyTorch backend serves it through the kernel (CPU tensors, a preset and
     cache view the kernel reads)."""
-    backend = backends.select_backend(cache.device, preset)
-    kernel = backend.name == "pytorch" and cache.device.type == "cpu" and cpu_kernel.serves(preset, cache, cache)
-    (_passed_write if op == "write" else _passed_attention)[layer_name] = (cache, backend if kernel else None)
+    backend = None  # off the CPU (a GPU's eager calls come here every time): no backend lookup
+    if cache.device.type == "cpu":
+        backend = backends.select_backend(cache.device, preset)
+        if backend.name != "pytorch" or not cpu_kernel.serves(preset, cache, cache):
+            backend = None
+    (_passed_write if op == "write" else _passed_attention)[layer_name] = (cache, backend)
 
 
 def reset() -> None:
