@@ -73,9 +73,12 @@ def sdpa_over(s: Scenario, keys: list, values: list, scale: float) -> torch.Tens
 
 
 def decoded(s: Scenario):
-    """Per-sequence (key_hat, value_hat) from the codec applied to the original K/V."""
+    """Per-sequence (key_hat, value_hat): the codec's decode of the bytes kv_write stored."""
     p = get_preset(s.preset, s.query.shape[-1])
-    pairs = [p.decode(p.encode(k, v)) for k, v in zip(s.keys, s.values)]
+    block_size, pairs = s.kv_cache.shape[1], []
+    for b, length in enumerate(s.seq_lens.tolist()):
+        pos = torch.arange(length)
+        pairs.append(p.decode(s.kv_cache[s.block_table[b, pos // block_size].long(), pos % block_size]))
     return [k for k, _ in pairs], [v for _, v in pairs]
 
 
