@@ -962,15 +962,14 @@ TQKV_AVX512 inline void accumulate_values(float* acc, const uint8_t* const* code
     for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc + i * D + 16 * c, a[i][c]);
 }
 
-// attend_tile with 16 lanes: per block of up to QB query vectors their scores and online-softmax weights, then
-// their P.V sums together.
+// attend_tile with 16 lanes, on the tile's scores (S.scores, query vector i at i TP): per block of up to QB query
+// vectors their online-softmax weights, then their P.V sums together.
 template <int D, int TP, int VB>
 TQKV_AVX512 inline void attend_tile512(TaskState<D, TP>& S, int64_t t0, int len, const uint8_t* const* codes,
                                        __m512 centred) {
   static_assert(TP % 16 == 0, "tiles of whole 16-position groups");
   constexpr int QB = D == 64 ? 4 : D == 128 ? 2 : 1;  // the block's accumulators fill 16 registers
   const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  alignas(64) float s[TP];
   alignas(64) float w[QB][TP];
   float alpha[QB];
   for (int64_t i0 = 0; i0 < S.nq; i0 += QB) {
@@ -985,13 +984,10 @@ TQKV_AVX512 inline void attend_tile512(TaskState<D, TP>& S, int64_t t0, int len,
         continue;
       }
       rows = std::max(rows, valid);
-      const float* q = S.queries.data() + i * D;
+      const float* s = S.scores.data() + i * TP;
       __m512 mx = _mm512_set1_ps(kNegInf);
-      for (int r = 0; r < valid; r += 16) {
-        const __m512 sr = _mm512_mul_ps(dot16<D>(q, S.keys.data() + r * D), _mm512_load_ps(S.kf + r));
-        _mm512_store_ps(s + r, sr);
-        mx = _mm512_mask_max_ps(mx, _mm512_cmpgt_epi32_mask(_mm512_set1_epi32(valid - r), iota), mx, sr);
-      }
+      for (int r = 0; r < valid; r += 16)
+        mx = _mm512_mask_max_ps(mx, _mm512_cmpgt_epi32_mask(_mm512_set1_epi32(valid - r), iota), mx, _mm512_loadu_ps(s + r));
       const float m_new = std::max(S.m[i], _mm512_reduce_max_ps(mx));
       alpha[ii] = S.m[i] == kNegInf ? 0.f : std::exp(S.m[i] - m_new);
       S.m[i] = m_new;
@@ -1002,7 +998,7 @@ TQKV_AVX512 inline void attend_tile512(TaskState<D, TP>& S, int64_t t0, int len,
           _mm512_store_ps(w[ii] + r, _mm512_setzero_ps());
           continue;
         }
-        const __m512 p = _mm512_maskz_mov_ps(keep, exp512(_mm512_sub_ps(_mm512_load_ps(s + r), _mm512_set1_ps(m_new))));
+        const __m512 p = _mm512_maskz_mov_ps(keep, exp512(_mm512_sub_ps(_mm512_loadu_ps(s + r), _mm512_set1_ps(m_new))));
         psum = _mm512_add_ps(psum, p);
         zsum = _mm512_fmadd_ps(p, _mm512_load_ps(S.vz + r), zsum);
         _mm512_store_ps(w[ii] + r, _mm512_mul_ps(p, _mm512_load_ps(S.vs + r)));
@@ -1021,67 +1017,152 @@ TQKV_AVX512 inline void attend_tile512(TaskState<D, TP>& S, int64_t t0, int len,
   }
 }
 
-// task_avx2's work with 16 lanes: KK 8 (fp8), 4 or 3-bit keys, VB 4 or 3-bit uniform values.
+// 8 x 8 dwords transposed in each 256-bit half of x[0 .. 7]: before, x[r] holds row r (low half) and row r + 8
+// (high half); after, lane p of x[k] holds dword k of row p, p < 16.
+TQKV_AVX512 inline void transpose16x8(__m512i* x) {
+  __m512i t[8], u[8];
+  for (int i = 0; i < 4; ++i) {  // t[2i], t[2i + 1]: rows 2i and 2i + 1 interleaved, dwords 0, 1 | 4, 5 and 2, 3 | 6, 7
+    t[2 * i] = _mm512_unpacklo_epi32(x[2 * i], x[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(x[2 * i], x[2 * i + 1]);
+  }
+  for (int i = 0; i < 2; ++i) {  // u[4i + k]: dword k | k + 4 of rows 4i .. 4i + 3 (and of rows 4i + 8 ..)
+    u[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+    u[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+    u[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  }
+  const __m512i low = _mm512_setr_epi64(0, 1, 8, 9, 4, 5, 12, 13), high = _mm512_setr_epi64(2, 3, 10, 11, 6, 7, 14, 15);
+  for (int k = 0; k < 4; ++k) {
+    x[k] = _mm512_permutex2var_epi64(u[k], low, u[4 + k]);
+    x[k + 4] = _mm512_permutex2var_epi64(u[k], high, u[4 + k]);
+  }
+}
+
+// Sixteen positions' 4-bit keys (the first D / 2 bytes of slot[p]) against QN query vectors q + i D (natural
+// coordinate order): lane p of s[i] = <q_i, c_p>, of ss = ||c_p||^2, c_p position p's centroid vector. The codes
+// are turned to lanes of positions (16 x 8 dwords at a time: 64 coordinates), so that a coordinate's 16
+// centroids are one vpermps and its products one FMA a query vector: no horizontal sums.
+template <int D, int QN>
+TQKV_AVX512 inline void scores16_k4(const uint8_t* const* slot, const float* q, __m512 table, __m512* s, __m512& ss) {
+  __m512 a[QN][2], b[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};  // two sums each: FMA latency
+#pragma GCC unroll 4
+  for (int i = 0; i < QN; ++i) a[i][0] = a[i][1] = _mm512_setzero_ps();
+  for (int c = 0; c < D / 64; ++c) {
+    __m512i x[8];
+#pragma GCC unroll 8
+    for (int r = 0; r < 8; ++r)
+      x[r] = _mm512_inserti64x4(
+          _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(slot[r] + 32 * c))),
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(slot[r + 8] + 32 * c)), 1);
+    transpose16x8(x);
+#pragma GCC unroll 8
+    for (int k = 0; k < 8; ++k) {
+#pragma GCC unroll 8
+      for (int n = 0; n < 8; ++n) {  // coordinate 64 c + 8 k + n: nibble n of dword k
+        const __m512 v = _mm512_permutexvar_ps(_mm512_srli_epi32(x[k], 4 * n), table);
+        b[n & 1] = _mm512_fmadd_ps(v, v, b[n & 1]);
+#pragma GCC unroll 4
+        for (int i = 0; i < QN; ++i)
+          a[i][n & 1] = _mm512_fmadd_ps(_mm512_set1_ps(q[i * D + 64 * c + 8 * k + n]), v, a[i][n & 1]);
+      }
+    }
+  }
+#pragma GCC unroll 4
+  for (int i = 0; i < QN; ++i) s[i] = _mm512_add_ps(a[i][0], a[i][1]);
+  ss = _mm512_add_ps(b[0], b[1]);
+}
+
+// Sixteen dwords at byte `at` of slot[p], p < 16: two 8-lane gathers from the slots' own addresses.
+TQKV_AVX512 inline __m512i dwords16(const uint8_t* const* slot, int64_t at) {
+  const __m512i off = _mm512_set1_epi64(at);
+  const __m256i low = _mm512_i64gather_epi32(_mm512_add_epi64(_mm512_loadu_si512(slot), off), nullptr, 1);
+  const __m256i high = _mm512_i64gather_epi32(_mm512_add_epi64(_mm512_loadu_si512(slot + 8), off), nullptr, 1);
+  return _mm512_inserti64x4(_mm512_castsi256_si512(low), high, 1);
+}
+
+// The fp16 numbers in the low (high) halves of sixteen dwords, as fp32.
+TQKV_AVX512 inline __m512 low_halves(__m512i x) { return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(x)); }
+TQKV_AVX512 inline __m512 high_halves(__m512i x) { return low_halves(_mm512_srli_epi32(x, 16)); }
+
+// x^-1/2 to fp32 rounding: rsqrt14 and a Newton step (no sqrt and divide, ~30 cycles apart).
+TQKV_AVX512 inline __m512 rsqrt512(__m512 x) {
+  const __m512 y = _mm512_rsqrt14_ps(x);
+  return _mm512_mul_ps(y, _mm512_fnmadd_ps(_mm512_mul_ps(_mm512_set1_ps(0.5f), x), _mm512_mul_ps(y, y), _mm512_set1_ps(1.5f)));
+}
+
+// task_avx2's work with 16 lanes: KK 8 (fp8), 4 or 3-bit keys, VB 4 or 3-bit uniform values. A tile's scores
+// first (S.scores), for every query vector: 4-bit keys 16 positions at a time by scores16_k4, others decoded
+// to S.keys and dotted 16 positions at a time (dot16); then attend_tile512.
 template <int D, int KK, int VB>
 TQKV_AVX512 void task_avx512(const Problem& P, int64_t b, int64_t h) {
   constexpr int TP = D == 64 ? 32 : 16;
   TaskState<D, TP> S(P, b, h, 0);
   if (S.nq == 0) return;
-  if constexpr (KK == 4) {  // the query in the keys' nibble order
-    for (int64_t i = 0; i < S.nq; ++i) {
-      float* q = S.queries.data() + i * D;
-      float tmp[D];
-      std::memcpy(tmp, q, sizeof(tmp));
-      for (int d = 0; d < D; ++d) q[nibble_position(d, 32)] = tmp[d];
-    }
-  }
   const __m512 table = _mm512_loadu_ps(P.key_table);  // 16 centroids (3-bit: 8, then zeros)
+  const __m512 scale = _mm512_set1_ps(P.scale);
   constexpr float mid = 0.5f * float((1 << VB) - 1);
   const __m512 centred = _mm512_sub_ps(_mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
                                        _mm512_set1_ps(mid));
   alignas(64) float sumsq[16 * TP] = {};
+  const uint8_t* slots[TP];
   const uint8_t* value_codes[TP];
   for (int64_t t0 = 0; t0 < S.L; t0 += TP) {
     const int len = int(std::min<int64_t>(TP, S.L - t0));
     SlotWalk walk(P, b, h, t0);
-    for (int r = 0; r < len; ++r) {
-      const uint8_t* slot = walk.next();
-      float* k = S.keys.data() + r * D;
-      if constexpr (KK == 8) {
-        for (int c = 0; c < D; c += 16) _mm512_storeu_ps(k + c, fp8x16(slot + c));
-        S.kf[r] = P.scale;
-      } else {
-        __m512 ss = _mm512_setzero_ps();
-        if constexpr (KK == 4) {
-          for (int c = 0; c < D; c += 32) {
-            const __m512i x = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(slot + c / 2)));
-            const __m512 even = _mm512_permutexvar_ps(x, table), odd = _mm512_permutexvar_ps(_mm512_srli_epi32(x, 4), table);
-            _mm512_storeu_ps(k + c, even);
-            _mm512_storeu_ps(k + c + 16, odd);
-            ss = _mm512_fmadd_ps(odd, odd, _mm512_fmadd_ps(even, even, ss));
+    for (int r = 0; r < len; ++r) slots[r] = walk.next();
+    for (int r = len; r < TP; ++r) slots[r] = slots[0];  // past the tile: read, masked
+    for (int r = 0; r < TP; ++r) value_codes[r] = slots[r] + P.key_bytes;  // decoded where the P.V sums read them
+    for (int r = 0; r < len; r += 16) {
+      const __m512i scale_zero = dwords16(slots + r, P.key_bytes + P.value_code_bytes);  // the slot's last 4 bytes
+      const __m512 vs = low_halves(scale_zero);
+      _mm512_store_ps(S.vs + r, vs);
+      _mm512_store_ps(S.vz + r, _mm512_fmadd_ps(_mm512_set1_ps(mid), vs, high_halves(scale_zero)));
+    }
+    if constexpr (KK == 4) {
+      for (int r = 0; r < len; r += 16) {
+        __m512 kf = _mm512_mul_ps(scale, low_halves(dwords16(slots + r, P.key_code_bytes))), ss;
+        for (int64_t i0 = 0; i0 < S.nq; i0 += 4) {
+          const float* q = S.queries.data() + i0 * D;
+          __m512 sc[4];
+          const int qn = int(std::min<int64_t>(4, S.nq - i0));
+          switch (qn) {
+            case 1: scores16_k4<D, 1>(slots + r, q, table, sc, ss); break;
+            case 2: scores16_k4<D, 2>(slots + r, q, table, sc, ss); break;
+            case 3: scores16_k4<D, 3>(slots + r, q, table, sc, ss); break;
+            default: scores16_k4<D, 4>(slots + r, q, table, sc, ss); break;
           }
+          if (i0 == 0 && P.norm_correction) kf = _mm512_mul_ps(kf, rsqrt512(_mm512_add_ps(ss, _mm512_set1_ps(1e-16f))));
+          for (int ii = 0; ii < qn; ++ii) _mm512_storeu_ps(S.scores.data() + (i0 + ii) * TP + r, _mm512_mul_ps(sc[ii], kf));
+        }
+      }
+    } else {
+      for (int r = 0; r < len; ++r) {
+        const uint8_t* slot = slots[r];
+        float* k = S.keys.data() + r * D;
+        if constexpr (KK == 8) {
+          for (int c = 0; c < D; c += 16) _mm512_storeu_ps(k + c, fp8x16(slot + c));
         } else {
+          __m512 ss = _mm512_setzero_ps();
           for (int c = 0; c < D / 16; ++c) {
             const __m512 v = _mm512_permutexvar_ps(codes16_3(slot, c), table);
             _mm512_storeu_ps(k + 16 * c, v);
             ss = _mm512_fmadd_ps(v, v, ss);
           }
+          _mm512_store_ps(sumsq + 16 * r, ss);
         }
-        _mm512_store_ps(sumsq + 16 * r, ss);
-        S.kf[r] = P.scale * half_f16c(slot + P.key_code_bytes);
       }
-      const uint8_t* vcodes = value_codes[r] = slot + P.key_bytes;  // decoded where the P.V sums read them
-      S.vs[r] = half_f16c(vcodes + P.value_code_bytes);
-      S.vz[r] = half_f16c(vcodes + P.value_code_bytes + 2) + mid * S.vs[r];
-    }
-    if constexpr (KK != 8) {
-      if (P.norm_correction) {  // kf /= ||c||, 16 positions at a time
-        for (int r = 0; r < len; r += 16) {
-          __m512 rows16[16];
-          for (int i = 0; i < 16; ++i) rows16[i] = _mm512_load_ps(sumsq + 16 * (r + i));
-          const __m512 norms = _mm512_sqrt_ps(_mm512_add_ps(reduce16(rows16), _mm512_set1_ps(1e-16f)));
-          _mm512_store_ps(S.kf + r, _mm512_div_ps(_mm512_load_ps(S.kf + r), norms));
+      for (int r = 0; r < len; r += 16) {
+        __m512 kf = scale;
+        if constexpr (KK != 8) {
+          kf = _mm512_mul_ps(kf, low_halves(dwords16(slots + r, P.key_code_bytes)));
+          if (P.norm_correction) {  // kf /= ||c||
+            __m512 rows16[16];
+            for (int i = 0; i < 16; ++i) rows16[i] = _mm512_load_ps(sumsq + 16 * (r + i));
+            kf = _mm512_mul_ps(kf, rsqrt512(_mm512_add_ps(reduce16(rows16), _mm512_set1_ps(1e-16f))));
+          }
         }
+        for (int64_t i = 0; i < S.nq; ++i)
+          _mm512_storeu_ps(S.scores.data() + i * TP + r, _mm512_mul_ps(dot16<D>(S.queries.data() + i * D, S.keys.data() + r * D), kf));
       }
     }
     attend_tile512<D, TP, VB>(S, t0, len, value_codes, centred);
