@@ -96,6 +96,33 @@ def test_blocks_of_any_size_in_the_engines_dense_allocation(preset_name, block):
             torch.testing.assert_close(out.float(), outs[-1].float(), atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize("dim", [64, 128])
+def test_few_long_sequences_are_cut_into_ranges_for_the_threads(dim):
+    """Fewer (sequence, kv head) tasks than twice the threads: the AVX-512 path cuts each sequence into ranges of
+    positions and merges their softmax states. The same answer as one thread's call (no ranges; fp32 queries to
+    float rounding), within the oracle's tolerance; several query rows a sequence (some ranges past a row's
+    causal end), flat and peaked."""
+    preset = get_preset("turboquant_4bit_nc", dim)
+    threads = torch.get_num_threads()
+    try:
+        for lens, rows, dtype in (([5000], [3], torch.float32), ([3000, 2], [1, 2], torch.bfloat16)):
+            for q_scale in (1.0, 4.0):
+                cache, table, lens_t, qsl, query = _paged(preset, lens, rows, kv_heads=1, group=4, q_scale=q_scale,
+                                                          dtype=dtype, seed=dim)
+                outs = []
+                for count in (4, 1):
+                    torch.set_num_threads(count)
+                    outs.append(cpu_kernel.attention(query, cache, table, lens_t, qsl, dim**-0.5, preset, isa=ISAS[0]))
+                exact = oracle.exact_attention(query, cache, table, lens_t, qsl, dim**-0.5, preset)
+                l2, worst = oracle.errors(outs[0], exact)
+                assert l2 <= L2_LIMIT and worst <= MAX_LIMIT, f"l2_rel {l2:.2e}, max_rel {worst:.2e}"
+                fp32 = dtype == torch.float32
+                torch.testing.assert_close(outs[0].float(), outs[1].float(), atol=1e-5 if fp32 else 2e-2,
+                                           rtol=1e-4 if fp32 else 2e-2)
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.mark.parametrize("dim", [64, 256])
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_slot_layouts_of_no_preset_yet_are_within_tolerance_of_the_oracle(layout, dim):

@@ -52,9 +52,11 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <utility>
 #include <limits>
 #include <vector>
 
@@ -1107,10 +1109,11 @@ TQKV_AVX512 inline __m512 rsqrt512(__m512 x) {
 // first (S.scores), for every query vector: 4-bit keys 16 positions at a time by scores16_k4, others decoded
 // to S.keys and dotted 16 positions at a time (dot16); then attend_tile512.
 template <int D, int KK, int VB>
-TQKV_AVX512 void task_avx512(const Problem& P, int64_t b, int64_t h) {
+TQKV_AVX512 void task_avx512_range(const Problem& P, int64_t b, int64_t h, int64_t begin, int64_t end, float* partial) {
   constexpr int TP = D == 64 ? 32 : 16;
   TaskState<D, TP> S(P, b, h, 0);
   if (S.nq == 0) return;
+  end = std::min(end, S.L);
   const __m512 table = _mm512_loadu_ps(P.key_table);  // 16 centroids (3-bit: 8, then zeros)
   const __m512 scale = _mm512_set1_ps(P.scale);
   constexpr float mid = 0.5f * float((1 << VB) - 1);
@@ -1118,9 +1121,9 @@ TQKV_AVX512 void task_avx512(const Problem& P, int64_t b, int64_t h) {
                                        _mm512_set1_ps(mid));
   alignas(64) float sumsq[16 * TP] = {};
   const uint8_t* tile_slots[2][TP];  // this tile's slots and the next one's (prefetched while this one is served)
-  SlotWalk walk(P, b, h, 0);
+  SlotWalk walk(P, b, h, begin);
   auto walk_tile = [&](const uint8_t** dst, int64_t t0, bool prefetch) {
-    const int len = int(std::min<int64_t>(TP, S.L - t0));
+    const int len = int(std::min<int64_t>(TP, end - t0));
     for (int r = 0; r < len;) {
       const int run = walk.run(dst + r, len - r);
       if (prefetch) {  // every block starts a new hardware prefetch stream: its run's cache lines
@@ -1139,11 +1142,11 @@ TQKV_AVX512 void task_avx512(const Problem& P, int64_t b, int64_t h) {
     }
     for (int r = len; r < TP; ++r) dst[r] = dst[0];  // past the tile: read, masked
   };
-  if (S.L > 0) walk_tile(tile_slots[0], 0, false);
-  for (int64_t t0 = 0, tile = 0; t0 < S.L; t0 += TP, tile ^= 1) {
-    const int len = int(std::min<int64_t>(TP, S.L - t0));
+  if (begin < end) walk_tile(tile_slots[0], begin, false);
+  for (int64_t t0 = begin, tile = 0; t0 < end; t0 += TP, tile ^= 1) {
+    const int len = int(std::min<int64_t>(TP, end - t0));
     const uint8_t* const* slots = tile_slots[tile];
-    if (t0 + TP < S.L) walk_tile(tile_slots[tile ^ 1], t0 + TP, true);
+    if (t0 + TP < end) walk_tile(tile_slots[tile ^ 1], t0 + TP, true);
     for (int r = 0; r < len; r += 16) {
       const __m512i scale_zero = dwords16(slots + r, P.key_bytes + P.value_code_bytes);  // the slot's last 4 bytes
       const __m512 vs = low_halves(scale_zero);
@@ -1199,6 +1202,46 @@ TQKV_AVX512 void task_avx512(const Problem& P, int64_t b, int64_t h) {
     }
     attend_tile512<D, TP, VB>(S, t0, len, slots, P.key_bytes, centred);  // values decoded there
   }
+    if (partial) {  // this range's softmax state: acc [nq, D], then m, l, z [nq]
+    std::memcpy(partial, S.acc.data(), S.nq * D * sizeof(float));
+    std::memcpy(partial + S.nq * D, S.m.data(), S.nq * sizeof(float));
+    std::memcpy(partial + S.nq * (D + 1), S.l.data(), S.nq * sizeof(float));
+    std::memcpy(partial + S.nq * (D + 2), S.z.data(), S.nq * sizeof(float));
+    return;
+  }
+  store_outputs(P, S, h, VB == 4 ? 32 : 0, false);
+}
+
+// Sequence b's positions, kv head h, in one task.
+template <int D, int KK, int VB>
+TQKV_AVX512 void task_avx512(const Problem& P, int64_t b, int64_t h) {
+  task_avx512_range<D, KK, VB>(P, b, h, 0, P.seq_lens[b], nullptr);
+}
+
+// The softmax states of `splits` ranges of sequence b, kv head h (task_avx512_range's partials, one after
+// another) merged, normalised and stored.
+template <int D, int VB>
+TQKV_AVX512 void merge_avx512(const Problem& P, int64_t b, int64_t h, int64_t splits, const float* partials) {
+  constexpr int TP = D == 64 ? 32 : 16;
+  TaskState<D, TP> S(P, b, h, 0);
+  const int64_t nq = S.nq, stride = nq * (D + 3);
+  for (int64_t k = 0; k < splits; ++k) {
+    const float* part = partials + k * stride;
+    for (int64_t i = 0; i < nq; ++i) {
+      const float m = part[nq * D + i];
+      if (m == kNegInf) continue;  // no position of this range is visible to query vector i
+      const float m_new = std::max(S.m[i], m);
+      const float a = S.m[i] == kNegInf ? 0.f : std::exp(S.m[i] - m_new), c = std::exp(m - m_new);
+      S.m[i] = m_new;
+      S.l[i] = a * S.l[i] + c * part[nq * (D + 1) + i];
+      S.z[i] = a * S.z[i] + c * part[nq * (D + 2) + i];
+      float* acc = S.acc.data() + i * D;
+      const float* other = part + i * D;
+      for (int d = 0; d < D; d += 16)
+        _mm512_storeu_ps(acc + d, _mm512_fmadd_ps(_mm512_set1_ps(c), _mm512_loadu_ps(other + d),
+                                                  _mm512_mul_ps(_mm512_set1_ps(a), _mm512_loadu_ps(acc + d))));
+    }
+  }
   store_outputs(P, S, h, VB == 4 ? 32 : 0, false);
 }
 
@@ -1214,6 +1257,34 @@ Task pick_avx512_for(const Problem& P) {
     if (P.key_kind == 3) return task_avx512<D, 3, 3>;
   }
   return nullptr;
+}
+
+using RangeTask = void (*)(const Problem&, int64_t, int64_t, int64_t, int64_t, float*);
+using MergeTask = void (*)(const Problem&, int64_t, int64_t, int64_t, const float*);
+
+template <int D>
+std::pair<RangeTask, MergeTask> pick_avx512_split_for(const Problem& P) {
+  const int kk = P.key_kind, vb = P.value_bits;
+  if (vb == 4) {
+    auto merge = merge_avx512<D, 4>;
+    if (kk == 8) return {task_avx512_range<D, 8, 4>, merge};
+    if (kk == 4) return {task_avx512_range<D, 4, 4>, merge};
+    if (kk == 3) return {task_avx512_range<D, 3, 4>, merge};
+  } else if (vb == 3) {
+    auto merge = merge_avx512<D, 3>;
+    if (kk == 8) return {task_avx512_range<D, 8, 3>, merge};
+    if (kk == 4) return {task_avx512_range<D, 4, 3>, merge};
+    if (kk == 3) return {task_avx512_range<D, 3, 3>, merge};
+  }
+  return {nullptr, nullptr};
+}
+
+// pick_avx512's tasks over a range of positions each, and their merge
+std::pair<RangeTask, MergeTask> pick_avx512_split(const Problem& P) {
+  if (P.D == 64) return pick_avx512_split_for<64>(P);
+  if (P.D == 128) return pick_avx512_split_for<128>(P);
+  if (P.D == 256) return pick_avx512_split_for<256>(P);
+  return {nullptr, nullptr};
 }
 
 // vLLM's slot layouts only (the general path stays AVX2)
@@ -1256,6 +1327,55 @@ std::vector<int64_t> int64_values(const at::Tensor& t, const char* name) {
   }
   return values;
 }
+
+#ifdef TQKV_X86
+// Few (sequence, kv head) tasks for the threads (a batch of one or two long sequences): each sequence's positions
+// cut into ranges of at least kMinRange positions (whole tiles), about 4 per thread in all, served in parallel
+// and merged (the ranges' softmax states combined). False, and nothing done, where every sequence would be one
+// range: the caller's one task per (sequence, kv head) then.
+constexpr int64_t kMinRange = 1024;
+
+bool split_ranges(const Problem& P, int64_t batch, int64_t threads) {
+  const int64_t Hk = P.Hk;
+  if (threads <= 1 || batch * Hk >= 2 * threads) return false;
+  int64_t total = 0;
+  for (int64_t b = 0; b < batch; ++b) total += P.seq_lens[b];
+  const int64_t chunk = std::max<int64_t>(kMinRange, (total * Hk / (4 * threads) + 31) / 32 * 32);
+  std::vector<int64_t> splits(batch), first(batch + 1, 0);  // ranges a sequence; their partials' offsets
+  bool any = false;
+  for (int64_t b = 0; b < batch; ++b) {
+    const int64_t nq = std::max<int64_t>(P.starts[b + 1] - P.starts[b], 0) * P.group;
+    splits[b] = nq ? std::max<int64_t>(1, (P.seq_lens[b] + chunk - 1) / chunk) : 1;
+    any |= splits[b] > 1;
+    first[b + 1] = first[b] + splits[b] * Hk * nq * (P.D + 3);
+  }
+  if (!any) return false;
+  auto [range_task, merge] = pick_avx512_split(P);
+  if (!range_task) return false;
+  std::vector<float> partials(first[batch]);
+  std::vector<std::array<int64_t, 3>> items;  // (b, h, k)
+  for (int64_t b = 0; b < batch; ++b)
+    for (int64_t h = 0; h < Hk; ++h)
+      for (int64_t k = 0; k < splits[b]; ++k) items.push_back({b, h, k});
+  at::parallel_for(0, int64_t(items.size()), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t it = begin; it < end; ++it) {
+      const auto [b, h, k] = items[it];
+      const int64_t nq = std::max<int64_t>(P.starts[b + 1] - P.starts[b], 0) * P.group, L = P.seq_lens[b];
+      const int64_t span = (L + splits[b] - 1) / splits[b] / 32 * 32 + 32;  // whole tiles
+      float* part = partials.data() + first[b] + (h * splits[b] + k) * nq * (P.D + 3);
+      range_task(P, b, h, std::min(k * span, L), std::min((k + 1) * span, L), part);
+    }
+  });
+  at::parallel_for(0, batch * Hk, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = item / Hk, h = item % Hk;
+      const int64_t nq = std::max<int64_t>(P.starts[b + 1] - P.starts[b], 0) * P.group;
+      merge(P, b, h, splits[b], partials.data() + first[b] + h * splits[b] * nq * (P.D + 3));
+    }
+  });
+  return true;
+}
+#endif
 
 void decode_attention(const at::Tensor& query, const at::Tensor& cache, const at::Tensor& block_table,
                       const at::Tensor& seq_lens, const at::Tensor& starts, const at::Tensor& tables,
@@ -1325,6 +1445,7 @@ void decode_attention(const at::Tensor& query, const at::Tensor& cache, const at
   P.slot_bytes = slot_bytes;
 
   void (*task)(const Problem&, int64_t, int64_t) = task_scalar;
+  bool avx512 = false;
 #ifdef TQKV_X86
   TORCH_CHECK(isa >= 0 && isa <= 2, "isa: 0 (portable), 1 (AVX2) or 2 (AVX-512 where the CPU has it)");
   if (isa >= 1 && cpu_has_avx2()) {
@@ -1332,7 +1453,7 @@ void decode_attention(const at::Tensor& query, const at::Tensor& cache, const at
                              (key_kind == 8 || key_kind == 3 || key_kind == 4) && (value_bits == 3 || value_bits == 4);
     if (auto picked = pick_avx2(P, vllm_layout)) task = picked;
     if (isa >= 2 && vllm_layout && cpu_has_avx512()) {
-      if (auto picked = pick_avx512(P)) task = picked;
+      if (auto picked = pick_avx512(P)) task = picked, avx512 = true;
     }
   }
 #endif
@@ -1342,6 +1463,9 @@ void decode_attention(const at::Tensor& query, const at::Tensor& cache, const at
   const int64_t hi = batch ? std::max(lo, std::min(P.starts[batch], rows)) : rows;
   if (lo > 0) out.narrow(0, 0, lo).zero_();
   if (hi < rows) out.narrow(0, hi, rows - hi).zero_();
+#ifdef TQKV_X86
+  if (avx512 && split_ranges(P, batch, at::get_num_threads())) return;
+#endif
   at::parallel_for(0, batch * Hk, 1, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) task(P, item / Hk, item % Hk);
   });
