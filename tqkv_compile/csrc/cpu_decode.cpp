@@ -862,8 +862,8 @@ Task pick_avx2(const Problem& P, bool vllm_layout) {
 // ---------------------------------------------------------------------------------------------------------
 // vLLM's slot layouts with AVX-512 (F, BW, DQ, VL), where the CPU has it: sixteen lanes, a 4-bit code's
 // centroid in one permute (vpermps reads an index's low 4 bits, so no mask). A tile's scores first: 4-bit keys
-// with positions in lanes (scores16_k4: codes transposed, one FMA a coordinate and query vector, no horizontal
-// sums), fp8 and 3-bit keys decoded a position at a time and dotted 16 positions at a time (dot16, reduce16);
+// with positions in lanes (scores16_lm, 4 and 3-bit keys: codes transposed, one FMA a coordinate and query
+// vector, no horizontal sums), fp8 keys decoded a position at a time and dotted 16 positions at a time (dot16);
 // then the online softmax and the P.V sums for up to 4 query vectors from one decode of each value's codes
 // (4-bit values in nibble order of 32 coordinates: the 16 even ones, then the 16 odd ones, from 16 bytes). The
 // next tile's slots are walked and prefetched while a tile is served. Tiles of at least 16 positions.
@@ -1060,12 +1060,14 @@ TQKV_AVX512 inline void transpose16x8(__m512i* x) {
   }
 }
 
-// Sixteen positions' 4-bit keys (the first D / 2 bytes of slot[p]) against QN query vectors q + i D (natural
-// coordinate order): lane p of s[i] = <q_i, c_p>, of ss = ||c_p||^2, c_p position p's centroid vector. The codes
-// are turned to lanes of positions (16 x 8 dwords at a time: 64 coordinates), so that a coordinate's 16
-// centroids are one vpermps and its products one FMA a query vector: no horizontal sums.
-template <int D, int QN>
-TQKV_AVX512 inline void scores16_k4(const uint8_t* const* slot, const float* q, __m512 table, __m512* s, __m512& ss) {
+// Sixteen positions' BITS-bit keys (3 or 4: the first D BITS / 8 bytes of slot[p]) against QN query vectors
+// q + i D (natural coordinate order): lane p of s[i] = <q_i, c_p>, of ss = ||c_p||^2, c_p position p's
+// centroid vector. The codes are turned to lanes of positions, 64 coordinates (8 BITS bytes) at a time by a
+// 16 x 8 dword transpose, so that a coordinate's 16 centroids are one vpermps (a 3-bit code's table doubled:
+// the index's fourth bit is the next code's) and its products one FMA a query vector: no horizontal sums.
+// Reads 32 bytes from each chunk's start: the slot holds them (the norm and the values follow the codes).
+template <int D, int QN, int BITS>
+TQKV_AVX512 inline void scores16_lm(const uint8_t* const* slot, const float* q, __m512 table, __m512* s, __m512& ss) {
   __m512 a[QN][2], b[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};  // two sums each: FMA latency
 #pragma GCC unroll 4
   for (int i = 0; i < QN; ++i) a[i][0] = a[i][1] = _mm512_setzero_ps();
@@ -1074,19 +1076,20 @@ TQKV_AVX512 inline void scores16_k4(const uint8_t* const* slot, const float* q, 
 #pragma GCC unroll 8
     for (int r = 0; r < 8; ++r)
       x[r] = _mm512_inserti64x4(
-          _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(slot[r] + 32 * c))),
-          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(slot[r + 8] + 32 * c)), 1);
+          _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(slot[r] + 8 * BITS * c))),
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(slot[r + 8] + 8 * BITS * c)), 1);
     transpose16x8(x);
-#pragma GCC unroll 8
-    for (int k = 0; k < 8; ++k) {
-#pragma GCC unroll 8
-      for (int n = 0; n < 8; ++n) {  // coordinate 64 c + 8 k + n: nibble n of dword k
-        const __m512 v = _mm512_permutexvar_ps(_mm512_srli_epi32(x[k], 4 * n), table);
-        b[n & 1] = _mm512_fmadd_ps(v, v, b[n & 1]);
+#pragma GCC unroll 64
+    for (int n = 0; n < 64; ++n) {  // coordinate 64 c + n: bits BITS n .. of the chunk
+      constexpr int kBits = BITS;
+      const int bit = kBits * n, k = bit / 32, shift = bit % 32;
+      __m512i index = _mm512_srli_epi32(x[k], shift);
+      if (shift + kBits > 32) index = _mm512_or_si512(index, _mm512_slli_epi32(x[k + 1], 32 - shift));
+      const __m512 v = _mm512_permutexvar_ps(index, table);
+      b[n & 1] = _mm512_fmadd_ps(v, v, b[n & 1]);
 #pragma GCC unroll 4
-        for (int i = 0; i < QN; ++i)
-          a[i][n & 1] = _mm512_fmadd_ps(_mm512_set1_ps(q[i * D + 64 * c + 8 * k + n]), v, a[i][n & 1]);
-      }
+      for (int i = 0; i < QN; ++i)
+        a[i][n & 1] = _mm512_fmadd_ps(_mm512_set1_ps(q[i * D + 64 * c + n]), v, a[i][n & 1]);
     }
   }
 #pragma GCC unroll 4
@@ -1114,20 +1117,24 @@ TQKV_AVX512 inline __m512 rsqrt512(__m512 x) {
 }
 
 // task_avx2's work with 16 lanes: KK 8 (fp8), 4 or 3-bit keys, VB 4 or 3-bit uniform values. A tile's scores
-// first (S.scores), for every query vector: 4-bit keys 16 positions at a time by scores16_k4, others decoded
-// to S.keys and dotted 16 positions at a time (dot16); then attend_tile512.
+// first (S.scores), for every query vector: Lloyd-Max keys 16 positions at a time by scores16_lm, fp8 keys
+// decoded to S.keys and dotted 16 positions at a time (dot16); then attend_tile512. Positions begin .. end - 1;
+// `partial`: where to leave the softmax state (split_ranges), else the output is stored.
 template <int D, int KK, int VB>
-TQKV_AVX512 void task_avx512_range(const Problem& P, int64_t b, int64_t h, int64_t begin, int64_t end, float* partial) {
+TQKV_AVX512 void task_avx512_range(const Problem& P, int64_t b, int64_t h, int64_t begin, int64_t end,
+                                   float* partial) {
   constexpr int TP = D == 64 ? 32 : 16;
   TaskState<D, TP> S(P, b, h, 0);
   if (S.nq == 0) return;
   end = std::min(end, S.L);
   const __m512 table = _mm512_loadu_ps(P.key_table);  // 16 centroids (3-bit: 8, then zeros)
+  // scores16_lm's: a 3-bit table doubled (its index's fourth bit belongs to the next code)
+  const __m512i doubled = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7);
+  const __m512 lanes_table = KK == 3 ? _mm512_permutexvar_ps(doubled, table) : table;
   const __m512 scale = _mm512_set1_ps(P.scale);
   constexpr float mid = 0.5f * float((1 << VB) - 1);
   const __m512 centred = _mm512_sub_ps(_mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
                                        _mm512_set1_ps(mid));
-  alignas(64) float sumsq[16 * TP] = {};
   const uint8_t* tile_slots[2][TP];  // this tile's slots and the next one's (prefetched while this one is served)
   SlotWalk walk(P, b, h, begin);
   auto walk_tile = [&](const uint8_t** dst, int64_t t0, bool prefetch) {
@@ -1161,7 +1168,7 @@ TQKV_AVX512 void task_avx512_range(const Problem& P, int64_t b, int64_t h, int64
       _mm512_store_ps(S.vs + r, vs);
       _mm512_store_ps(S.vz + r, _mm512_fmadd_ps(_mm512_set1_ps(mid), vs, high_halves(scale_zero)));
     }
-    if constexpr (KK == 4) {
+    if constexpr (KK == 4 || KK == 3) {
       for (int r = 0; r < len; r += 16) {
         __m512 kf = _mm512_mul_ps(scale, low_halves(dwords16(slots + r, P.key_code_bytes))), ss;
         for (int64_t i0 = 0; i0 < S.nq; i0 += 4) {
@@ -1169,50 +1176,27 @@ TQKV_AVX512 void task_avx512_range(const Problem& P, int64_t b, int64_t h, int64
           __m512 sc[4];
           const int qn = int(std::min<int64_t>(4, S.nq - i0));
           switch (qn) {
-            case 1: scores16_k4<D, 1>(slots + r, q, table, sc, ss); break;
-            case 2: scores16_k4<D, 2>(slots + r, q, table, sc, ss); break;
-            case 3: scores16_k4<D, 3>(slots + r, q, table, sc, ss); break;
-            default: scores16_k4<D, 4>(slots + r, q, table, sc, ss); break;
+            case 1: scores16_lm<D, 1, KK>(slots + r, q, lanes_table, sc, ss); break;
+            case 2: scores16_lm<D, 2, KK>(slots + r, q, lanes_table, sc, ss); break;
+            case 3: scores16_lm<D, 3, KK>(slots + r, q, lanes_table, sc, ss); break;
+            default: scores16_lm<D, 4, KK>(slots + r, q, lanes_table, sc, ss); break;
           }
           if (i0 == 0 && P.norm_correction) kf = _mm512_mul_ps(kf, rsqrt512(_mm512_add_ps(ss, _mm512_set1_ps(1e-16f))));
           for (int ii = 0; ii < qn; ++ii)
             _mm512_storeu_ps(S.scores.data() + (i0 + ii) * TP + r, _mm512_mul_ps(sc[ii], kf));
         }
       }
-    } else {
-      for (int r = 0; r < len; ++r) {
-        const uint8_t* slot = slots[r];
-        float* k = S.keys.data() + r * D;
-        if constexpr (KK == 8) {
-          for (int c = 0; c < D; c += 16) _mm512_storeu_ps(k + c, fp8x16(slot + c));
-        } else {
-          __m512 ss = _mm512_setzero_ps();
-          for (int c = 0; c < D / 16; ++c) {
-            const __m512 v = _mm512_permutexvar_ps(codes16_3(slot, c), table);
-            _mm512_storeu_ps(k + 16 * c, v);
-            ss = _mm512_fmadd_ps(v, v, ss);
-          }
-          _mm512_store_ps(sumsq + 16 * r, ss);
-        }
-      }
-      for (int r = 0; r < len; r += 16) {
-        __m512 kf = scale;
-        if constexpr (KK != 8) {
-          kf = _mm512_mul_ps(kf, low_halves(dwords16(slots + r, P.key_code_bytes)));
-          if (P.norm_correction) {  // kf /= ||c||
-            __m512 rows16[16];
-            for (int i = 0; i < 16; ++i) rows16[i] = _mm512_load_ps(sumsq + 16 * (r + i));
-            kf = _mm512_mul_ps(kf, rsqrt512(_mm512_add_ps(reduce16(rows16), _mm512_set1_ps(1e-16f))));
-          }
-        }
+    } else {  // fp8 keys: decoded a position at a time, dotted 16 positions at a time
+      for (int r = 0; r < len; ++r)
+        for (int c = 0; c < D; c += 16) _mm512_storeu_ps(S.keys.data() + r * D + c, fp8x16(slots[r] + c));
+      for (int r = 0; r < len; r += 16)
         for (int64_t i = 0; i < S.nq; ++i)
           _mm512_storeu_ps(S.scores.data() + i * TP + r,
-                           _mm512_mul_ps(dot16<D>(S.queries.data() + i * D, S.keys.data() + r * D), kf));
-      }
+                           _mm512_mul_ps(dot16<D>(S.queries.data() + i * D, S.keys.data() + r * D), scale));
     }
     attend_tile512<D, TP, VB>(S, t0, len, slots, P.key_bytes, centred);  // values decoded there
   }
-    if (partial) {  // this range's softmax state: acc [nq, D], then m, l, z [nq]
+  if (partial) {  // this range's softmax state: acc [nq, D], then m, l, z [nq]
     std::memcpy(partial, S.acc.data(), S.nq * D * sizeof(float));
     std::memcpy(partial + S.nq * D, S.m.data(), S.nq * sizeof(float));
     std::memcpy(partial + S.nq * (D + 1), S.l.data(), S.nq * sizeof(float));
