@@ -123,20 +123,22 @@ struct SlotWalk {
         index(t / problem.block_size), in_block(t % problem.block_size),
         block(problem.cache + int64_t(row[index]) * problem.s0 + head) {}
 
-  const uint8_t* next() {
+  // Past the current block's last position: on to the next block of the row.
+  void leave_full_block() {
     if (in_block == P.block_size) {
       in_block = 0;
       block = P.cache + int64_t(row[++index]) * P.s0 + head;
     }
+  }
+
+  const uint8_t* next() {
+    leave_full_block();
     return block + in_block++ * P.s1;
   }
 
   // The next slots up to `count` of them or the end of the current block (at least 1), into dst: their count.
   int run(const uint8_t** dst, int count) {
-    if (in_block == P.block_size) {
-      in_block = 0;
-      block = P.cache + int64_t(row[++index]) * P.s0 + head;
-    }
+    leave_full_block();
     const int n = int(std::min<int64_t>(count, P.block_size - in_block));
     const uint8_t* at = block + in_block * P.s1;
     for (int k = 0; k < n; ++k) dst[k] = at + k * P.s1;
@@ -861,9 +863,9 @@ Task pick_avx2(const Problem& P, bool vllm_layout) {
 
 // ---------------------------------------------------------------------------------------------------------
 // vLLM's slot layouts with AVX-512 (F, BW, DQ, VL), where the CPU has it: sixteen lanes, a 4-bit code's
-// centroid in one permute (vpermps reads an index's low 4 bits, so no mask). A tile's scores first: 4-bit keys
-// with positions in lanes (scores16_lm, 4 and 3-bit keys: codes transposed, one FMA a coordinate and query
-// vector, no horizontal sums), fp8 keys decoded a position at a time and dotted 16 positions at a time (dot16);
+// centroid in one permute (vpermps reads an index's low 4 bits, so no mask). A tile's scores first: 4 and 3-bit
+// keys with positions in lanes (scores16_lm: codes transposed, one FMA a coordinate and query vector, no
+// horizontal sums), fp8 keys decoded a position at a time and dotted 16 positions at a time (dot16);
 // then the online softmax and the P.V sums for up to 4 query vectors from one decode of each value's codes
 // (4-bit values in nibble order of 32 coordinates: the 16 even ones, then the 16 odd ones, from 16 bytes). The
 // next tile's slots are walked and prefetched while a tile is served. Tiles of at least 16 positions.
@@ -1081,10 +1083,9 @@ TQKV_AVX512 inline void scores16_lm(const uint8_t* const* slot, const float* q, 
     transpose16x8(x);
 #pragma GCC unroll 64
     for (int n = 0; n < 64; ++n) {  // coordinate 64 c + n: bits BITS n .. of the chunk
-      constexpr int kBits = BITS;
-      const int bit = kBits * n, k = bit / 32, shift = bit % 32;
+      const int bit = BITS * n, k = bit / 32, shift = bit % 32;
       __m512i index = _mm512_srli_epi32(x[k], shift);
-      if (shift + kBits > 32) index = _mm512_or_si512(index, _mm512_slli_epi32(x[k + 1], 32 - shift));
+      if (shift + BITS > 32) index = _mm512_or_si512(index, _mm512_slli_epi32(x[k + 1], 32 - shift));
       const __m512 v = _mm512_permutexvar_ps(index, table);
       b[n & 1] = _mm512_fmadd_ps(v, v, b[n & 1]);
 #pragma GCC unroll 4
@@ -1335,13 +1336,15 @@ bool split_ranges(const Problem& P, int64_t batch, int64_t threads) {
   int64_t total = 0;
   for (int64_t b = 0; b < batch; ++b) total += P.seq_lens[b];
   const int64_t chunk = std::max<int64_t>(kMinRange, (total * Hk / (4 * threads) + 31) / 32 * 32);
-  std::vector<int64_t> splits(batch), first(batch + 1, 0);  // ranges a sequence; their partials' offsets
+  // a sequence's ranges, the floats of one range's softmax state (nq (D + 3)), where its partials start
+  std::vector<int64_t> splits(batch), state(batch), first(batch + 1, 0);
   bool any = false;
   for (int64_t b = 0; b < batch; ++b) {
     const int64_t nq = std::max<int64_t>(P.starts[b + 1] - P.starts[b], 0) * P.group;
     splits[b] = nq ? std::max<int64_t>(1, (P.seq_lens[b] + chunk - 1) / chunk) : 1;
+    state[b] = nq * (P.D + 3);
     any |= splits[b] > 1;
-    first[b + 1] = first[b] + splits[b] * Hk * nq * (P.D + 3);
+    first[b + 1] = first[b] + splits[b] * Hk * state[b];
   }
   if (!any) return false;
   auto [range_task, merge] = pick_avx512_split(P);
@@ -1354,17 +1357,15 @@ bool split_ranges(const Problem& P, int64_t batch, int64_t threads) {
   at::parallel_for(0, int64_t(items.size()), 1, [&](int64_t begin, int64_t end) {
     for (int64_t it = begin; it < end; ++it) {
       const auto [b, h, k] = items[it];
-      const int64_t nq = std::max<int64_t>(P.starts[b + 1] - P.starts[b], 0) * P.group, L = P.seq_lens[b];
-      const int64_t span = (L + splits[b] - 1) / splits[b] / 32 * 32 + 32;  // whole tiles
-      float* part = partials.data() + first[b] + (h * splits[b] + k) * nq * (P.D + 3);
+      const int64_t L = P.seq_lens[b], span = (L + splits[b] - 1) / splits[b] / 32 * 32 + 32;  // whole tiles
+      float* part = partials.data() + first[b] + (h * splits[b] + k) * state[b];
       range_task(P, b, h, std::min(k * span, L), std::min((k + 1) * span, L), part);
     }
   });
   at::parallel_for(0, batch * Hk, 1, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / Hk, h = item % Hk;
-      const int64_t nq = std::max<int64_t>(P.starts[b + 1] - P.starts[b], 0) * P.group;
-      merge(P, b, h, splits[b], partials.data() + first[b] + h * splits[b] * nq * (P.D + 3));
+      merge(P, b, h, splits[b], partials.data() + first[b] + h * splits[b] * state[b]);
     }
   });
   return true;
