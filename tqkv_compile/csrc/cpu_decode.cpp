@@ -1070,9 +1070,11 @@ TQKV_AVX512 inline void transpose16x8(__m512i* x) {
 // Reads 32 bytes from each chunk's start: the slot holds them (the norm and the values follow the codes).
 template <int D, int QN, int BITS>
 TQKV_AVX512 inline void scores16_lm(const uint8_t* const* slot, const float* q, __m512 table, __m512* s, __m512& ss) {
-  __m512 a[QN][2], b[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};  // two sums each: FMA latency
-#pragma GCC unroll 4
-  for (int i = 0; i < QN; ++i) a[i][0] = a[i][1] = _mm512_setzero_ps();
+  constexpr int SUMS = QN >= 6 ? 1 : 2;  // independent FMA chains: 8 or more (FMA latency over two ports)
+  __m512 a[QN][SUMS], b[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+#pragma GCC unroll 8
+  for (int i = 0; i < QN; ++i)
+    for (int k = 0; k < SUMS; ++k) a[i][k] = _mm512_setzero_ps();
   for (int c = 0; c < D / 64; ++c) {
     __m512i x[8];
 #pragma GCC unroll 8
@@ -1088,13 +1090,13 @@ TQKV_AVX512 inline void scores16_lm(const uint8_t* const* slot, const float* q, 
       if (shift + BITS > 32) index = _mm512_or_si512(index, _mm512_slli_epi32(x[k + 1], 32 - shift));
       const __m512 v = _mm512_permutexvar_ps(index, table);
       b[n & 1] = _mm512_fmadd_ps(v, v, b[n & 1]);
-#pragma GCC unroll 4
+#pragma GCC unroll 8
       for (int i = 0; i < QN; ++i)
-        a[i][n & 1] = _mm512_fmadd_ps(_mm512_set1_ps(q[i * D + 64 * c + n]), v, a[i][n & 1]);
+        a[i][n % SUMS] = _mm512_fmadd_ps(_mm512_set1_ps(q[i * D + 64 * c + n]), v, a[i][n % SUMS]);
     }
   }
-#pragma GCC unroll 4
-  for (int i = 0; i < QN; ++i) s[i] = _mm512_add_ps(a[i][0], a[i][1]);
+#pragma GCC unroll 8
+  for (int i = 0; i < QN; ++i) s[i] = SUMS == 2 ? _mm512_add_ps(a[i][0], a[i][SUMS - 1]) : a[i][0];
   ss = _mm512_add_ps(b[0], b[1]);
 }
 
@@ -1172,15 +1174,19 @@ TQKV_AVX512 void task_avx512_range(const Problem& P, int64_t b, int64_t h, int64
     if constexpr (KK == 4 || KK == 3) {
       for (int r = 0; r < len; r += 16) {
         __m512 kf = _mm512_mul_ps(scale, low_halves(dwords16(slots + r, P.key_code_bytes))), ss;
-        for (int64_t i0 = 0; i0 < S.nq; i0 += 4) {
+        for (int64_t i0 = 0; i0 < S.nq; i0 += 8) {
           const float* q = S.queries.data() + i0 * D;
-          __m512 sc[4];
-          const int qn = int(std::min<int64_t>(4, S.nq - i0));
+          __m512 sc[8];
+          const int qn = int(std::min<int64_t>(8, S.nq - i0));
           switch (qn) {
             case 1: scores16_lm<D, 1, KK>(slots + r, q, lanes_table, sc, ss); break;
             case 2: scores16_lm<D, 2, KK>(slots + r, q, lanes_table, sc, ss); break;
             case 3: scores16_lm<D, 3, KK>(slots + r, q, lanes_table, sc, ss); break;
-            default: scores16_lm<D, 4, KK>(slots + r, q, lanes_table, sc, ss); break;
+            case 4: scores16_lm<D, 4, KK>(slots + r, q, lanes_table, sc, ss); break;
+            case 5: scores16_lm<D, 5, KK>(slots + r, q, lanes_table, sc, ss); break;
+            case 6: scores16_lm<D, 6, KK>(slots + r, q, lanes_table, sc, ss); break;
+            case 7: scores16_lm<D, 7, KK>(slots + r, q, lanes_table, sc, ss); break;
+            default: scores16_lm<D, 8, KK>(slots + r, q, lanes_table, sc, ss); break;
           }
           if (i0 == 0 && P.norm_correction) kf = _mm512_mul_ps(kf, rsqrt512(_mm512_add_ps(ss, _mm512_set1_ps(1e-16f))));
           for (int ii = 0; ii < qn; ++ii)
