@@ -866,8 +866,9 @@ Task pick_avx2(const Problem& P, bool vllm_layout) {
 // centroid in one permute (vpermps reads an index's low 4 bits, so no mask). A tile's scores first: 4 and 3-bit
 // keys with positions in lanes (scores16_lm: codes transposed, one FMA a coordinate and query vector, no
 // horizontal sums), fp8 keys decoded a position at a time and dotted 16 positions at a time (dot16);
-// then the online softmax and the P.V sums for up to 4 query vectors from one decode of each value's codes
-// (4-bit values in nibble order of 32 coordinates: the 16 even ones, then the 16 odd ones, from 16 bytes). The
+// up to 8 query vectors a pass over the codes; then the online softmax and the P.V sums for up to 8 query vectors
+// from one decode of each value's codes (accumulate_values: chunk by chunk of coordinates; 4-bit values in
+// nibble order of 32 coordinates: the 16 even ones, then the 16 odd ones, from 16 bytes). The
 // next tile's slots are walked and prefetched while a tile is served. Tiles of at least 16 positions.
 
 #define TQKV_AVX512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx2,fma,f16c")))
@@ -936,52 +937,51 @@ TQKV_AVX512 inline __m512i codes16_3(const uint8_t* codes, int64_t c) {
   return _mm512_inserti64x4(_mm512_castsi256_si512(codes8<3>(codes, 2 * c)), codes8<3>(codes, 2 * c + 1), 1);
 }
 
-// Position r's centred value codes (code - (2^VB - 1) / 2, from the table `centred`) into v[D / 16]: 4-bit codes
-// in nibble order of 32 coordinates.
-template <int D, int VB>
-TQKV_AVX512 inline void centred_values(const uint8_t* codes, __m512 centred, __m512* v) {
-  if constexpr (VB == 4) {
-#pragma GCC unroll 8
-    for (int c = 0; c < D / 32; ++c) {
-      const __m512i x = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + 16 * c)));
-      v[2 * c] = _mm512_permutexvar_ps(x, centred);  // vpermps reads the index's low 4 bits: the low nibble
-      v[2 * c + 1] = _mm512_permutexvar_ps(_mm512_srli_epi32(x, 4), centred);
-    }
-  } else {
-#pragma GCC unroll 16
-    for (int c = 0; c < D / 16; ++c) v[c] = _mm512_permutexvar_ps(codes16_3(codes, c), centred);
-  }
-}
-
 // acc[i] = alpha[i] acc[i] + sum_{r < rows} w[i][r] values_r for QN query vectors (acc + i D), each position's
-// value codes (byte `at` of slots[r]) decoded in registers once for all of them.
+// centred value codes (code - (2^VB - 1) / 2, from the table `centred`; byte `at` of slots[r] on) decoded once for
+// all of them: a pass takes G chunks of CW coordinates
+// (4-bit: 32, in nibble order; 3-bit: 16) of every row, G the fewest (a power of two) that keep 8 or more
+// accumulators in flight (FMA latency), so that a group's query vectors share each chunk's decode.
 template <int D, int TP, int QN, int VB>
 TQKV_AVX512 inline void accumulate_values(float* acc, const uint8_t* const* slots, int64_t at, __m512 centred,
                                           const float (*w)[TP], const float* alpha, int rows) {
-  constexpr int C = D / 16;
-  __m512 a[QN][C];
-#pragma GCC unroll 4
-  for (int i = 0; i < QN; ++i) {
-    const __m512 va = _mm512_set1_ps(alpha[i]);
+  constexpr int CW = VB == 4 ? 32 : 16, V = CW / 16, CHUNKS = D / CW;
+  constexpr int WANT = (8 + QN * V - 1) / (QN * V);
+  constexpr int G = std::min(CHUNKS, WANT <= 1 ? 1 : WANT <= 2 ? 2 : WANT <= 4 ? 4 : 8);
+  for (int c0 = 0; c0 < CHUNKS; c0 += G) {
+    __m512 a[QN][G * V];
+#pragma GCC unroll 8
+    for (int i = 0; i < QN; ++i) {
+      const __m512 va = _mm512_set1_ps(alpha[i]);
 #pragma GCC unroll 16
-    for (int c = 0; c < C; ++c) a[i][c] = _mm512_mul_ps(va, _mm512_loadu_ps(acc + i * D + 16 * c));
-  }
-  for (int r = 0; r < rows; ++r) {
-    __m512 wr[QN];
-#pragma GCC unroll 4
-    for (int i = 0; i < QN; ++i) wr[i] = _mm512_set1_ps(w[i][r]);
-    __m512 v[C];
-    centred_values<D, VB>(slots[r] + at, centred, v);
-#pragma GCC unroll 16
-    for (int c = 0; c < C; ++c) {
-#pragma GCC unroll 4
-      for (int i = 0; i < QN; ++i) a[i][c] = _mm512_fmadd_ps(wr[i], v[c], a[i][c]);
+      for (int k = 0; k < G * V; ++k) a[i][k] = _mm512_mul_ps(va, _mm512_loadu_ps(acc + i * D + CW * c0 + 16 * k));
     }
-  }
-#pragma GCC unroll 4
-  for (int i = 0; i < QN; ++i)
+    for (int r = 0; r < rows; ++r) {
+      const uint8_t* codes = slots[r] + at;
+      __m512 v[G * V];
+#pragma GCC unroll 8
+      for (int g = 0; g < G; ++g) {
+        if constexpr (VB == 4) {
+          const __m512i x =
+              _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + 16 * (c0 + g))));
+          v[2 * g] = _mm512_permutexvar_ps(x, centred);  // vpermps reads the index's low 4 bits: the low nibble
+          v[2 * g + 1] = _mm512_permutexvar_ps(_mm512_srli_epi32(x, 4), centred);
+        } else {
+          v[g] = _mm512_permutexvar_ps(codes16_3(codes, c0 + g), centred);
+        }
+      }
+#pragma GCC unroll 8
+      for (int i = 0; i < QN; ++i) {
+        const __m512 wr = _mm512_set1_ps(w[i][r]);
 #pragma GCC unroll 16
-    for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc + i * D + 16 * c, a[i][c]);
+        for (int k = 0; k < G * V; ++k) a[i][k] = _mm512_fmadd_ps(wr, v[k], a[i][k]);
+      }
+    }
+#pragma GCC unroll 8
+    for (int i = 0; i < QN; ++i)
+#pragma GCC unroll 16
+      for (int k = 0; k < G * V; ++k) _mm512_storeu_ps(acc + i * D + CW * c0 + 16 * k, a[i][k]);
+  }
 }
 
 // attend_tile with 16 lanes, on the tile's scores (S.scores, query vector i at i TP): per block of up to QB query
@@ -990,7 +990,7 @@ template <int D, int TP, int VB>
 TQKV_AVX512 inline void attend_tile512(TaskState<D, TP>& S, int64_t t0, int len, const uint8_t* const* slots,
                                        int64_t at, __m512 centred) {
   static_assert(TP % 16 == 0, "tiles of whole 16-position groups");
-  constexpr int QB = D == 64 ? 4 : D == 128 ? 2 : 1;  // the block's accumulators fill 16 registers
+  constexpr int QB = 8;  // query vectors whose weights are made, then their P.V sums taken, together
   const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   alignas(64) float w[QB][TP];
   float alpha[QB];
@@ -1034,9 +1034,13 @@ TQKV_AVX512 inline void attend_tile512(TaskState<D, TP>& S, int64_t t0, int len,
     float* acc = S.acc.data() + i0 * D;
     switch (qn) {
       case 1: accumulate_values<D, TP, 1, VB>(acc, slots, at, centred, w, alpha, rows); break;
-      case 2: if constexpr (QB >= 2) accumulate_values<D, TP, 2, VB>(acc, slots, at, centred, w, alpha, rows); break;
-      case 3: if constexpr (QB >= 3) accumulate_values<D, TP, 3, VB>(acc, slots, at, centred, w, alpha, rows); break;
-      default: if constexpr (QB >= 4) accumulate_values<D, TP, 4, VB>(acc, slots, at, centred, w, alpha, rows); break;
+      case 2: accumulate_values<D, TP, 2, VB>(acc, slots, at, centred, w, alpha, rows); break;
+      case 3: accumulate_values<D, TP, 3, VB>(acc, slots, at, centred, w, alpha, rows); break;
+      case 4: accumulate_values<D, TP, 4, VB>(acc, slots, at, centred, w, alpha, rows); break;
+      case 5: accumulate_values<D, TP, 5, VB>(acc, slots, at, centred, w, alpha, rows); break;
+      case 6: accumulate_values<D, TP, 6, VB>(acc, slots, at, centred, w, alpha, rows); break;
+      case 7: accumulate_values<D, TP, 7, VB>(acc, slots, at, centred, w, alpha, rows); break;
+      default: accumulate_values<D, TP, 8, VB>(acc, slots, at, centred, w, alpha, rows); break;
     }
   }
 }
