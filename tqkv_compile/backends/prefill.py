@@ -39,18 +39,17 @@ DENSE_MIN_NEW_TOKENS = 128
 
 
 def plan(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, rows: int, whole_prompts: bool = False,
-         dense: bool = True) -> tuple[list[int], list[int], list[int], list[int]] | None:
+         dense_path: bool = True) -> tuple[list[int], list[int], list[int], list[int]] | None:
     """(query_start_loc on the host, seq_lens on the host, the dense sequences, the whole prompts) from one
     host read, or None when the batch has neither; None without a host read when it cannot have any.
 
     Whole prompts (only with ``whole_prompts``: the op was handed the step's keys and values) are the
     sequences whose new tokens are all their tokens, however few; dense ones are the others with more than
-    DENSE_MIN_NEW_TOKENS new tokens (none without ``dense``). A batch with no more query rows than sequences (pure
-    decode) has no whole
-    prompts: a one-token prompt there reads its slot like the rest (no host read where the padded row count
-    already says so)."""
+    DENSE_MIN_NEW_TOKENS new tokens (none without ``dense_path``). A batch with no more query rows than sequences
+    (pure decode) has no whole prompts: a one-token prompt there reads its slot like the rest (no host read where
+    the padded row count already says so)."""
     num_seqs = seq_lens.shape[0]
-    if rows <= num_seqs or ((rows <= DENSE_MIN_NEW_TOKENS or not dense) and not whole_prompts):
+    if rows <= num_seqs or ((rows <= DENSE_MIN_NEW_TOKENS or not dense_path) and not whole_prompts):
         return None
     if query_start_loc.is_cuda and torch.cuda.is_current_stream_capturing():
         return None  # no host reads inside CUDA-graph capture; the kernels serve every row
@@ -63,7 +62,7 @@ def plan(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, rows: int, whole
     if whole_prompts and starts[-1] > num_seqs:
         whole = [b for b in range(num_seqs) if 0 < news[b] == lengths[b]]
     taken = set(whole)
-    dense = [b for b in range(num_seqs) if dense and news[b] > DENSE_MIN_NEW_TOKENS and b not in taken]
+    dense = [b for b in range(num_seqs) if dense_path and news[b] > DENSE_MIN_NEW_TOKENS and b not in taken]
     return (starts, lengths, dense, whole) if dense or whole else None
 
 
@@ -201,15 +200,16 @@ def whole_prompt_attention(query, key, value, starts: list[int], scale: float, s
 
 
 def serve(query, kv_cache, block_table, seq_lens, query_start_loc, scale: float, preset: Preset, key, value, out,
-          *, decode, dense_decode=codec_decode, find_varlen=None, dense: bool = True) -> torch.Tensor:
+          *, decode, dense_decode=codec_decode, find_varlen=None, dense_path: bool = True) -> torch.Tensor:
     """A backend's attention for any batch: ``decode`` (the backend's decode path, with ``attention``'s arguments
     and ``out``) for every row, except whole prompts (given the step's ``key`` and ``value``:
     :func:`whole_prompt_attention`) and sequences with more than DENSE_MIN_NEW_TOKENS new tokens
     (:func:`dense_attention`, their keys and values by ``dense_decode``, :func:`codec_decode` unless given;
-    ``dense=False``: ``decode`` serves them too, where it is the faster of the two).
+    ``dense_path=False``: ``decode`` serves them too, where it is the faster of the two).
     ``find_varlen()``: a FlashAttention varlen function for both, or None (SDPA); asked only when a prefill path
     runs (a pure decode batch looks nothing up). Writes into ``out`` where given."""
-    planned = plan(query_start_loc, seq_lens, query.shape[0], whole_prompts=key is not None, dense=dense)
+    planned = plan(query_start_loc, seq_lens, query.shape[0], whole_prompts=key is not None,
+                   dense_path=dense_path)
     if planned is None:
         return decode(query, kv_cache, block_table, seq_lens, query_start_loc, scale, preset, out=out)
     starts, lengths, dense, whole = planned

@@ -13,8 +13,9 @@ where the Triton backend is not (no triton, or a preset its kernels do not read)
 
 On the CPU every row but whole prompts' (decode steps, chunks of any length over cached positions) goes through a
 native kernel that reads the packed slots in place (:mod:`tqkv_compile.backends.cpu_kernel`, every preset; a
-chunk's rows cut into groups that spread over the threads), and kv_write is encoded there too; the reference's attention (every cached position decoded to fp32, then matmuls)
-and encode serve other devices and wherever the kernel cannot be built.
+chunk's rows cut into groups that spread over the threads), and kv_write is encoded there too; the reference's
+attention (every cached position decoded to fp32, then matmuls) and encode serve other devices and wherever the
+kernel cannot be built.
 """
 
 from __future__ import annotations
@@ -41,7 +42,8 @@ class PyTorchBackend(ReferenceBackend):
     def attention(self, query, kv_cache, block_table, seq_lens, query_start_loc, scale, preset: Preset, key=None,
                   value=None, out=None):
         # the kernel serves long continuation chunks too: in fp32, and faster on the CPU than the dense path's
-        # decode and SDPA (docs/performance-history.md, 2026-12-07 night)
+        # decode and SDPA (docs/performance-history.md)
         kernel = cpu_kernel.serves(preset, query, kv_cache)
         return prefill.serve(query, kv_cache, block_table, seq_lens, query_start_loc, scale, preset, key, value,
-                             out, decode=cpu_kernel.attention if kernel else super().attention, dense=not kernel)
+                             out, decode=cpu_kernel.attention if kernel else super().attention,
+                             dense_path=not kernel)
