@@ -78,6 +78,22 @@ def test_every_preset_and_head_size_is_within_tolerance_of_the_oracle(preset_nam
             torch.testing.assert_close(out.float(), outs[-1].float(), atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize("preset_name, dim, group", [("turboquant_4bit_nc", 64, 7), ("turboquant_k3v4_nc", 64, 3),
+                                                     ("turboquant_3bit_nc", 128, 7)])
+def test_long_ragged_and_many_row_batches_are_within_tolerance_of_the_oracle(preset_name, dim, group):
+    """Contexts to 128k: one sequence of 131072 positions (the AVX-512 path cuts it into ranges), a ragged batch
+    of 1 / 1000 / 70000 / 131072 positions with 1-3 rows, and a chunk of 300 rows over 20000 positions beside a
+    short sequence (its rows cut into groups, each its own causal end). Groups of 3 and 7 (query vectors served in
+    passes of up to 8), fp32 flat and bf16 peaked, the AVX-512 and AVX2 paths."""
+    preset = get_preset(preset_name, dim)
+    for lens, rows in (([131072], [1]), ([1, 1000, 70000, 131072], [1, 3, 2, 1]), ([20000, 5], [300, 1])):
+        for dtype, q_scale in ((torch.float32, 1.0), (torch.bfloat16, 4.0)):
+            case = _paged(preset, lens, rows, kv_heads=1, group=group, q_scale=q_scale, dtype=dtype, block=128,
+                          seed=dim + group)
+            for isa in ISAS[:-1] or ISAS:  # the portable path's scalar loops: the shorter tests cover it
+                _check(preset, case, isa, dim**-0.5)
+
+
 @pytest.mark.parametrize("block", [5, 24, 128])
 @pytest.mark.parametrize("preset_name", ["turboquant_4bit_nc", "turboquant_k3v4_nc"])
 def test_blocks_of_any_size_in_the_engines_dense_allocation(preset_name, block):
