@@ -8,7 +8,8 @@ splits, are skipped; ``--kernels ""``: none). Timed as ``tqkv bench kernels --sh
 cold L2). One JSON line a launch, and the list in ``--out`` (rewritten after every cell): ``{"shape", "case",
 "preset", "kernel", "splits", "rows_per_program", "us"}`` (kernels ``default``, ``fixed``, ``aware`` with splits null:
 the launcher's own choice). ``--variants '{"NAME": {decode_attention keywords}}'``: more named launches
-(kernel NAME), e.g. a register cap.
+(kernel NAME), e.g. a register cap; a variant's ``"ragged_splits": N`` sets
+``launch_choices.RAGGED_SPLITS`` (the length-aware grid's least splits) for its launch.
 
     python bench/launch_sweep.py --cells llama3-70b-tp8:1x131072,llama3-8b:32x16384x4rows --out sweep.json
 """
@@ -28,7 +29,7 @@ def main(argv: list[str]) -> int:
     import tqkv_compile
     from tqkv_compile.tools.bench_kernels import _time_per_table, rotations
     from tqkv_compile.tools.bench_shapes import BLOCK_SIZE, CASES, SHAPES, _paged
-    from tqkv_compile.lowerings import gluon_decode
+    from tqkv_compile.lowerings import gluon_decode, launch_choices
     from tqkv_compile.lowerings.triton_attention import decode_attention
     from tqkv_compile.run_meta import run_meta
 
@@ -80,12 +81,17 @@ def main(argv: list[str]) -> int:
                     kernel, dict(kernel=kernel, splits=splits, rows_per_program=packed))
                 rec = dict(shape=shape, case=case_name, preset=name, kernel=kernel, splits=splits,
                            rows_per_program=packed)
+                kw = dict(kw)
+                grid_floor = kw.pop("ragged_splits", launch_choices.RAGGED_SPLITS)
+                saved, launch_choices.RAGGED_SPLITS = launch_choices.RAGGED_SPLITS, grid_floor
                 try:
                     us, _ = _time_per_table(lambda bt: decode_attention(q, cache, bt, seq_lens, qsl, dim**-0.5, p,
                                                                         rotation, centroids, **kw), tables)
                     rec["us"] = round(us, 1)
                 except Exception as exc:  # noqa: BLE001
                     rec["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+                finally:
+                    launch_choices.RAGGED_SPLITS = saved
                 records.append(rec)
                 print(json.dumps(rec), flush=True)
             del cache
