@@ -141,7 +141,7 @@ def loop_sass(sass: str) -> dict:
 
 def stream_kernel(preset_name: str, dim: int, block_n: int, warps: int, maxnreg: int | None, prefetch: bool,
                   index32: bool = True, query_in_kernel: bool | None = None, merge: bool = False,
-                  splits: int = 2, pdl: bool = False, block_h: int = 8) -> dict:
+                  splits: int = 2, pdl: bool = False, block_h: int = 8, length_aware: bool = False) -> dict:
     p = tqkv_compile.get_preset(preset_name, dim)
     key_word, value_word = (4 if p.key_fp8 else 2), 2  # the GPU's asm path (stream_words)
     constexprs = dict(GROUP=4, BLOCK_H=16, D=dim, BLOCK_SIZE=16, BLOCK_N=block_n, NUM_SPLITS=splits, SEARCH_STEPS=7,
@@ -167,7 +167,7 @@ def stream_kernel(preset_name: str, dim: int, block_n: int, warps: int, maxnreg:
     if "GDC" in ds._decode_stream_kernel.arg_names:
         constexprs.update(GDC=pdl)
     if "ROWS" in ds._decode_stream_kernel.arg_names:  # one row a program, splits fixed by the launch (the defaults)
-        constexprs.update(ROWS=1, LENGTH_AWARE=False)
+        constexprs.update(ROWS=1, LENGTH_AWARE=length_aware)
     if "NC_DOT" in ds._decode_stream_kernel.arg_names:  # trees up to 07a1e9e: the query group as the dots' M side
         constexprs.update(NC_DOT=True)
     else:  # the dots turned around: the query group is their N side, padded to 8
@@ -181,14 +181,14 @@ def stream_kernel(preset_name: str, dim: int, block_n: int, warps: int, maxnreg:
 
 
 def fragment_kernel(preset_name: str, dim: int, maxnreg: int | None, prefetch: int = 0, stage: int = 0,
-                    key_table: int = 0) -> dict:
+                    key_table: int = 0, splits: int = 2, length_aware: bool = False) -> dict:
     """gluon_decode's fragment kernel (4-bit keys and values; heads 128 and 256) at the launcher's settings."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
     from tqkv_compile.lowerings import gluon_decode as g
 
     p = tqkv_compile.get_preset(preset_name, dim)
-    constexprs = dict(GROUP=4, D=dim, BLOCK_SIZE=16, NUM_SPLITS=2, SEARCH_STEPS=7, KEY_FP8=p.key_fp8,
+    constexprs = dict(GROUP=4, D=dim, BLOCK_SIZE=16, NUM_SPLITS=splits, SEARCH_STEPS=7, KEY_FP8=p.key_fp8,
                       NORM_CORRECTION=p.norm_correction, KEY_CODE_BYTES=p.key_code_bytes, VALUE_OFFSET=p.key_bytes,
                       VALUE_CODE_BYTES=p.value_code_bytes,
                       **{k: v for k, v in g.layouts(dim).items() if k in g.fragment_kernel.arg_names})
@@ -210,6 +210,10 @@ def fragment_kernel(preset_name: str, dim: int, maxnreg: int | None, prefetch: i
         constexprs.update(KEY_TABLE=key_table if g.has_key_table(p) else 0)
     elif key_table:
         raise SystemExit("this tree's fragment kernel has no KEY_TABLE")
+    if "LENGTH_AWARE" in g.fragment_kernel.arg_names:
+        constexprs.update(LENGTH_AWARE=length_aware)
+    elif length_aware:
+        raise SystemExit("this tree's fragment kernel has no LENGTH_AWARE")
     pointers = dict(q_ptr="*fp32", cache_ptr="*u8", block_table_ptr="*i32", seq_lens_ptr="*i32", qsl_ptr="*i32",
                     lut_ptr="*i32", key_order_ptr="*i32", value_order_ptr="*i32", part_out_ptr="*fp32",
                     part_lse_ptr="*fp32")
@@ -236,6 +240,8 @@ def main() -> int:
                         help="the splits merged in the launch (trees up to bd688d7, whose kernel had it)")
     parser.add_argument("--pdl", action="store_true", help="the dependent-launch waits in (TQKV_PDL=1)")
     parser.add_argument("--splits", type=int, default=2, help="NUM_SPLITS")
+    parser.add_argument("--length-aware", action="store_true", help="LENGTH_AWARE: each row's split count from "
+                        "the batch's lengths")
     parser.add_argument("--block-h", type=int, default=8,
                         help="the query group's padded width, the dots' N side (the launcher's: 8 for groups up to 8; "
                              "triton 3.6 compiles N = 8 to mma.sync, 16 and up to wgmma)")
@@ -261,14 +267,15 @@ def main() -> int:
         maxnreg = args.maxnreg or (128 if args.head_dim <= 128 else 168)
         if args.kernel == "fragments":
             result = fragment_kernel(name, args.head_dim, args.maxnreg, args.fragment_prefetch, args.fragment_stage,
-                                     args.fragment_key_table)
+                                     args.fragment_key_table, args.splits, args.length_aware)
             label = (f"{name} D{args.head_dim} fragment kernel prefetch {args.fragment_prefetch} "
                      f"stage {args.fragment_stage} key table {args.fragment_key_table} "
                      f"triton {triton.__version__}")
         else:
             result = stream_kernel(name, args.head_dim, args.block_n, args.warps, maxnreg, args.prefetch,
                                    query_in_kernel={"auto": None, "yes": True, "no": False}[args.query_in_kernel],
-                                   merge=args.merge, splits=args.splits, pdl=args.pdl, block_h=args.block_h)
+                                   merge=args.merge, splits=args.splits, pdl=args.pdl, block_h=args.block_h,
+                                   length_aware=args.length_aware)
             label = (f"{name} D{args.head_dim} BLOCK_N {args.block_n} warps {args.warps} maxnreg {maxnreg} "
                      f"prefetch {args.prefetch} triton {triton.__version__}")
         opcodes, text = result.pop("loop_opcodes"), result.pop("loop_text")

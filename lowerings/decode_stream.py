@@ -29,8 +29,8 @@ from tqkv_compile.lowerings.cache_tables import halves_span, key_lut
 from tqkv_compile.lowerings.dependent_launch import wait_and_release
 from tqkv_compile.lowerings.device_helpers import (LOG2E, centroids_sym16, codes4_fp16_odd16, fp8x4_fp16, keys3,
                                                    load_field_h, load_half_h, lut4_fp16, odd16_codes, operand,
-                                                   rows_span, softmax_step, split_span, tile_base, unpack,
-                                                   values3_f16)
+                                                   rows_span, softmax_step, split_plan, split_span, tile_base,
+                                                   unpack, values3_f16)
 from tqkv_compile.lowerings.launch_choices import query_in_stream_kernel
 from tqkv_compile.lowerings.triton_query import prepare_query
 from tqkv_compile.rotation import hadamard
@@ -117,10 +117,15 @@ def _decode_stream_kernel(
     vptr = cache_ptr.to(tl.pointer_type(tl.int32 if VALUE_WORD == 4 else tl.int16), bitcast=True)
     hptr = cache_ptr.to(tl.pointer_type(tl.float16), bitcast=True)
 
+    at_mean = num_seqs * 0
+    mean = at_mean + 1
+    if LENGTH_AWARE:  # the batch's plan first: its loads need nothing of this program's row
+        at_mean, mean = split_plan(qsl_ptr, seq_lens_ptr, num_seqs, max_len, plan_slots, plan_wanted, BLOCK_N,
+                                   NUM_SPLITS, ROWS)
     if ROWS == 1:
         seq, begin, end, q_heads, part, head_ok = split_span(row, kv_head, split, qsl_ptr, seq_lens_ptr,
                                                              num_seqs, max_len, GROUP, BLOCK_H, BLOCK_N,
-                                                             NUM_SPLITS, SEARCH_STEPS, plan_slots, plan_wanted,
+                                                             NUM_SPLITS, SEARCH_STEPS, at_mean, mean,
                                                              LENGTH_AWARE)
         q_off = row * s_qt + q_heads * s_qh
         limit = end
@@ -128,7 +133,7 @@ def _decode_stream_kernel(
         seq, begin, end, q_off, part, head_ok, limit = rows_span(row, kv_head, split, qsl_ptr, seq_lens_ptr,
                                                                  num_seqs, max_len, s_qt, s_qh, GROUP, BLOCK_H,
                                                                  BLOCK_N, NUM_SPLITS, SEARCH_STEPS, ROWS,
-                                                                 plan_slots, plan_wanted, LENGTH_AWARE)
+                                                                 at_mean, mean, LENGTH_AWARE)
     if begin >= end:
         tl.store(part_lse_ptr + part, tl.full((BLOCK_H,), float("-inf"), tl.float32), mask=head_ok)
         return

@@ -207,15 +207,15 @@ def row_context(row, qsl_ptr, seq_lens_ptr, num_seqs, SEARCH_STEPS: tl.constexpr
 
 
 @triton.jit
-def row_splits(tiles, qsl_ptr, seq_lens_ptr, num_seqs, max_len, plan_slots, plan_wanted, BLOCK_N: tl.constexpr,
+def split_plan(qsl_ptr, seq_lens_ptr, num_seqs, max_len, plan_slots, plan_wanted, BLOCK_N: tl.constexpr,
                NUM_SPLITS: tl.constexpr, ROWS: tl.constexpr, CHUNK: tl.constexpr = 128):
-    """Splits for a row block whose context is ``tiles`` tiles, from the batch's real lengths (length-aware
-    splits: :func:`~tqkv_compile.lowerings.launch_choices.row_splits` is this rule on the host, with the why).
-    Every program computes the same plan: the batch's mean tiles a row block (the sequences' lengths clamped to
-    ``max_len``, ceil(rows / ROWS) row blocks a sequence, read CHUNK sequences at a time), the split count the
-    wave model rates best for a batch of that mean (``launch_choices.num_splits``'s model: ``plan_slots``
-    programs resident, ``plan_wanted`` the ~4-an-SM cap, candidates up to NUM_SPLITS), then this block's share:
-    that count scaled by tiles / mean, rounded, in [1, min(NUM_SPLITS, tiles)]. int32 scalar."""
+    """The batch-wide half of the length-aware split rule (:func:`~tqkv_compile.lowerings.launch_choices.row_splits`
+    is the whole rule on the host, with the why): (the count the wave model rates best for a batch of the mean,
+    the batch's mean tiles a row block), int32 scalars. The sequences' lengths clamped to ``max_len``,
+    ceil(rows / ROWS) row blocks a sequence, read CHUNK sequences at a time; ``launch_choices.num_splits``'s model:
+    ``plan_slots`` programs resident, ``plan_wanted`` the ~4-an-SM cap, candidates up to NUM_SPLITS. Every program
+    computes the same plan, first thing: it reads nothing of the program's own row, so its loads are in flight
+    with the row's (:func:`split_span`)."""
     total = num_seqs * 0
     blocks = num_seqs * 0
     for first in range(0, num_seqs, CHUNK):
@@ -236,38 +236,52 @@ def row_splits(tiles, qsl_ptr, seq_lens_ptr, num_seqs, max_len, plan_slots, plan
     cost = tl.where(c <= tl.maximum(most, 1), cost, 2147483647)
     best = tl.min(cost, axis=0)
     at_mean = tl.max(tl.where(cost == best, c, 0), axis=0)
+    return at_mean, mean
+
+
+@triton.jit
+def split_share(tiles, at_mean, mean, NUM_SPLITS: tl.constexpr):
+    """The row half of the length-aware split rule: a row block of ``tiles`` tiles gets the plan's count
+    (:func:`split_plan`) scaled by tiles / mean, rounded, in [1, min(NUM_SPLITS, tiles)]. int32 scalar."""
     count = (2 * at_mean * tiles + mean) // (2 * mean)
     return tl.maximum(tl.minimum(tl.minimum(count, NUM_SPLITS), tiles), 1)
 
 
 @triton.jit
-def split_count(split, length, qsl_ptr, seq_lens_ptr, num_seqs, max_len, plan_slots, plan_wanted,
-                BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, ROWS: tl.constexpr, LENGTH_AWARE: tl.constexpr):
-    """The split count a row block of context ``length`` is cut into: NUM_SPLITS, or with LENGTH_AWARE
-    :func:`row_splits`'s (only computed where this program's split can have positions: split < its tiles)."""
+def row_splits(tiles, qsl_ptr, seq_lens_ptr, num_seqs, max_len, plan_slots, plan_wanted, BLOCK_N: tl.constexpr,
+               NUM_SPLITS: tl.constexpr, ROWS: tl.constexpr):
+    """Splits for a row block whose context is ``tiles`` tiles, from the batch's real lengths: :func:`split_plan`
+    then :func:`split_share` (the kernels call the two apart)."""
+    at_mean, mean = split_plan(qsl_ptr, seq_lens_ptr, num_seqs, max_len, plan_slots, plan_wanted, BLOCK_N,
+                               NUM_SPLITS, ROWS)
+    return split_share(tiles, at_mean, mean, NUM_SPLITS)
+
+
+@triton.jit
+def split_count(length, at_mean, mean, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                LENGTH_AWARE: tl.constexpr):
+    """The split count a row block of context ``length`` is cut into: NUM_SPLITS, or with LENGTH_AWARE its
+    :func:`split_share` of the batch's plan (``at_mean``, ``mean``: :func:`split_plan`'s; unused otherwise)."""
     count = length * 0 + NUM_SPLITS
     if LENGTH_AWARE:
-        tiles = (length + BLOCK_N - 1) // BLOCK_N
-        if split < tiles:
-            count = row_splits(tiles, qsl_ptr, seq_lens_ptr, num_seqs, max_len, plan_slots, plan_wanted, BLOCK_N,
-                               NUM_SPLITS, ROWS)
+        count = split_share((length + BLOCK_N - 1) // BLOCK_N, at_mean, mean, NUM_SPLITS)
     return count
 
 
 @triton.jit
 def split_span(row, kv_head, split, qsl_ptr, seq_lens_ptr, num_seqs, max_len, GROUP: tl.constexpr,
                BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, SEARCH_STEPS: tl.constexpr,
-               plan_slots=0, plan_wanted=0, LENGTH_AWARE: tl.constexpr = False):
+               at_mean=0, mean=1, LENGTH_AWARE: tl.constexpr = False):
     """One split program's work: (seq, begin, end, q_heads [BLOCK_H], part [BLOCK_H], head_ok [BLOCK_H]) —
     its sequence, the positions [begin, end) of its split (whole tiles), its query heads and their rows in
     the partial outputs. Callers store -inf partials and return when begin >= end. The context is clamped to
     ``max_len`` (the block table's width in positions): a sequence length the host did not check (CUDA-graph
     replay, TQKV_CHECK_VALUES=0) cannot make the tile loop run past the table, or for ever. A row's context is
-    cut into NUM_SPLITS splits, or with LENGTH_AWARE into :func:`split_count`'s (the grid's NUM_SPLITS the most)."""
+    cut into NUM_SPLITS splits, or with LENGTH_AWARE into :func:`split_count`'s share of the batch's plan
+    (``at_mean``, ``mean``: :func:`split_plan`'s; the grid's NUM_SPLITS the most)."""
     seq, length = row_context(row, qsl_ptr, seq_lens_ptr, num_seqs, SEARCH_STEPS)
     length = tl.minimum(length, max_len)
-    count = split_count(split, length, qsl_ptr, seq_lens_ptr, num_seqs, max_len, plan_slots, plan_wanted, BLOCK_N,
-                        NUM_SPLITS, 1, LENGTH_AWARE)
+    count = split_count(length, at_mean, mean, BLOCK_N, NUM_SPLITS, LENGTH_AWARE)
     per_split = tl.cdiv(tl.cdiv(length, count), BLOCK_N) * BLOCK_N
     begin = split * per_split
     end = tl.minimum(begin + per_split, length)
@@ -280,7 +294,7 @@ def split_span(row, kv_head, split, qsl_ptr, seq_lens_ptr, num_seqs, max_len, GR
 @triton.jit
 def rows_span(block, kv_head, split, qsl_ptr, seq_lens_ptr, num_seqs, max_len, s_qt, s_qh, GROUP: tl.constexpr,
               BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-              SEARCH_STEPS: tl.constexpr, ROWS: tl.constexpr, plan_slots=0, plan_wanted=0,
+              SEARCH_STEPS: tl.constexpr, ROWS: tl.constexpr, at_mean=0, mean=1,
               LENGTH_AWARE: tl.constexpr = False):
     """:func:`split_span` for a program that serves ROWS consecutive query rows of one sequence at once (their
     GROUP query heads each: ROWS x GROUP columns), so the rows share one read of the keys and values: (seq, begin,
@@ -308,8 +322,7 @@ def rows_span(block, kv_head, split, qsl_ptr, seq_lens_ptr, num_seqs, max_len, s
     limit = tl.load(seq_lens_ptr + seq) - (stop - start) + (row - start) + 1
     limit = tl.where(head_ok, tl.minimum(limit, max_len), 0)
     longest = tl.max(limit, axis=0)
-    count = split_count(split, longest, qsl_ptr, seq_lens_ptr, num_seqs, max_len, plan_slots, plan_wanted, BLOCK_N,
-                        NUM_SPLITS, ROWS, LENGTH_AWARE)
+    count = split_count(longest, at_mean, mean, BLOCK_N, NUM_SPLITS, LENGTH_AWARE)
     per_split = tl.cdiv(tl.cdiv(longest, count), BLOCK_N) * BLOCK_N
     begin = split * per_split
     end = tl.minimum(begin + per_split, longest)

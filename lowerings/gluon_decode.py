@@ -341,7 +341,7 @@ def layouts(dim: int) -> dict:
         reg_bases=[[0, 1], [0, 2], [8, 0]], lane_bases=[[0, 0], [0, 0], [1, 0], [2, 0], [4, 0]],
         warp_bases=[[16, 0], [32, 0]], block_bases=[], shape=[BLOCK_N, 4])
     # the key pair table's fill (_fill_key_table): consecutive words across a warp's lanes; the same for the
-    # length-aware split plan's vectors (_row_splits: 128 sequences, 128 split counts)
+    # length-aware split plan's vectors (_split_plan: 128 sequences, 128 split counts)
     table_fill = gl.BlockedLayout([1], [32], [NUM_WARPS], [0])
     return dict(TABLE_FILL=table_fill, PLAN=table_fill, ROW_WORDS=row_words, ROW_SLOTS=row_slots, ROW3_WORDS=row3_words,
                 ROW3_SLOTS=row3_slots, FIELD_ROWS=field_rows, FIELD_REGS=field_regs, MMA=mma,
@@ -729,10 +729,10 @@ if gluon is not None:
                 gl.convert_layout(vzero, ROWS, assert_trivial=True).to(gl.float32))
 
     @gluon.jit
-    def _row_splits(tiles, qsl_ptr, seq_lens_ptr, num_seqs, max_len, plan_slots, plan_wanted,
+    def _split_plan(qsl_ptr, seq_lens_ptr, num_seqs, max_len, plan_slots, plan_wanted,
                     BLOCK: gl.constexpr, NUM_SPLITS: gl.constexpr, PLAN: gl.constexpr):
-        """:func:`device_helpers.row_splits` for one query row a program (row blocks are rows), in Gluon: the
-        split count of a row whose context is ``tiles`` tiles, from the batch's lengths (NUM_SPLITS <= 128)."""
+        """:func:`device_helpers.split_plan` for one query row a program (row blocks are rows), in Gluon: (the
+        count the wave model rates best for a batch of the mean, the batch's mean tiles a row; NUM_SPLITS <= 128)."""
         total = num_seqs * 0
         blocks = num_seqs * 0
         for first in range(0, num_seqs, 128):
@@ -750,9 +750,7 @@ if gluon is not None:
         cost = ((pairs * c + plan_slots - 1) // plan_slots) * ((mean + c - 1) // c + 2)
         cost = gl.where(c <= gl.maximum(most, 1), cost, 2147483647)
         best = gl.min(cost, axis=0)
-        at_mean = gl.max(gl.where(cost == best, c, 0), axis=0)
-        count = (2 * at_mean * tiles + mean) // (2 * mean)
-        return gl.maximum(gl.minimum(gl.minimum(count, NUM_SPLITS), tiles), 1)
+        return gl.max(gl.where(cost == best, c, 0), axis=0), mean
 
     @gluon.jit
     def fragment_kernel(q_ptr, cache_ptr, block_table_ptr, seq_lens_ptr, qsl_ptr, lut_ptr, key_order_ptr,
@@ -782,6 +780,11 @@ if gluon is not None:
         wptr = cache_ptr.to(gl.pointer_type(gl.int32), bitcast=True)
         fptr = cache_ptr.to(gl.pointer_type(gl.float16), bitcast=True)
 
+        at_mean = num_seqs * 0
+        mean = at_mean + 1
+        if LENGTH_AWARE:  # the batch's plan first: its loads need nothing of this program's row
+            at_mean, mean = _split_plan(qsl_ptr, seq_lens_ptr, num_seqs, max_len, plan_slots, plan_wanted, BLOCK,
+                                        NUM_SPLITS, PLAN)
         # the row's sequence and causal length (device_helpers.row_context)
         in_batch = row < num_seqs
         start_q = gl.load(qsl_ptr + row, mask=in_batch, other=0)
@@ -803,11 +806,10 @@ if gluon is not None:
         length = gl.where((start_q <= row) & (row < stop_q), length, 0)
         length = gl.minimum(length, max_len)
         count = length * 0 + NUM_SPLITS
-        if LENGTH_AWARE:  # (only where this split can have positions: split < the row's tiles)
+        if LENGTH_AWARE:  # this row's share of the plan (device_helpers.split_share)
             tiles = (length + BLOCK - 1) // BLOCK
-            if split < tiles:
-                count = _row_splits(tiles, qsl_ptr, seq_lens_ptr, num_seqs, max_len, plan_slots, plan_wanted, BLOCK,
-                                    NUM_SPLITS, PLAN)
+            share = (2 * at_mean * tiles + mean) // (2 * mean)
+            count = gl.maximum(gl.minimum(gl.minimum(share, NUM_SPLITS), tiles), 1)
         per_split = gl.cdiv(gl.cdiv(length, count), BLOCK) * BLOCK
         begin = split * per_split
         end = gl.minimum(begin + per_split, length)
