@@ -11,6 +11,8 @@ measurements, named in its docstring (``bench/results/*launch-sweep*.json``, doc
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 
@@ -71,6 +73,24 @@ def num_splits(rows: int, kv_heads: int, max_len: int, device: torch.device, blo
 
     return min(range(1, most + 1), key=lambda s: (cost(s), -s))
 
+
+LENGTH_AWARE_ENV = "TQKV_LENGTH_AWARE"
+LENGTH_AWARE_AUTO = False  # (until timed on a GPU with the plan first in each program)
+
+
+def length_aware(num_seqs: int, rows_per_program: int) -> bool:
+    """Whether the stream and fragment kernels cut each row by the batch's lengths (:func:`row_splits`, in a grid
+    :func:`split_grid` widens) where the caller names nothing: ``TQKV_LENGTH_AWARE`` ``1`` / ``0`` forces it,
+    ``auto`` (the default) takes it for batches of several sequences served one row a program. Not for one
+    sequence (nothing to even out; the plan's reads cost 0.5-1 us there, H100) nor for packed rows (572 -> 1014 us
+    at 28 / 4 heads, 32 x 16384 with 4 rows a sequence, before their register caps). From shapes
+    (graph-stable). Measurements: docs/performance-history.md."""
+    forced = os.environ.get(LENGTH_AWARE_ENV, "auto")
+    if forced not in ("auto", "0", "1"):
+        raise ValueError(f"{LENGTH_AWARE_ENV}={forced!r}: expected auto, 0 or 1")
+    if forced != "auto":
+        return forced == "1"
+    return LENGTH_AWARE_AUTO and num_seqs >= 2 and rows_per_program == 1
 
 RAGGED_SPLITS = 8
 

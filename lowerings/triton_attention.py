@@ -43,6 +43,7 @@ from tqkv_compile.lowerings.cache_tables import require_vllm_layout
 from tqkv_compile.lowerings.decode_merge import merge
 from tqkv_compile.lowerings.decode_stream import stream_words
 from tqkv_compile.lowerings.device_helpers import LOG2E
+from tqkv_compile.lowerings.launch_choices import length_aware as choose_length_aware
 from tqkv_compile.lowerings.launch_choices import (num_splits, packed_rows, plan_capacity, programs_per_sm,
                                                    split_grid, stream_block_n, stream_maxnreg)
 from tqkv_compile.lowerings.triton_query import prepare_query
@@ -64,7 +65,7 @@ def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: t
                      index32: bool | None = None, signs: torch.Tensor | None = None,
                      query_in_kernel: bool | None = None, launch=None,
                      out: torch.Tensor | None = None, key_table: int | None = None,
-                     rows_per_program: int | None = None, length_aware: bool = False) -> torch.Tensor:
+                     rows_per_program: int | None = None, length_aware: bool | None = None) -> torch.Tensor:
     """query [T, Hq, D] -> out [T, Hq, D] (query dtype); see the module docstring and ops.attention.
     ``kernel``: "stream" or "bytes" (default: :func:`default_kernel`); the other keywords are tuning
     knobs (the measured best by default). ``lut``: the stream kernel's key lookup table (default:
@@ -86,8 +87,8 @@ def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: t
     :func:`packed_rows`, which also makes the launcher take the stream kernel where it is above 1; the
     other kernels serve one row a program). ``length_aware``: the stream and fragment kernels cut each row
     block's context into a split count from the batch's lengths (:func:`launch_choices.row_splits`; at most
-    ``splits``, the grid's, :func:`launch_choices.split_grid`'s where ``splits`` is not given); False (the
-    default until it is timed on a GPU: docs/performance-history.md): every row into ``splits``."""
+    ``splits``, the grid's, :func:`launch_choices.split_grid`'s where ``splits`` is not given); False: every
+    row into ``splits``; None (the default): :func:`launch_choices.length_aware` decides."""
     require_vllm_layout(preset)
     traced = launch is not None
     rows, heads, dim = query.shape
@@ -132,6 +133,8 @@ def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: t
     if kernel == "stream" and not interpret:
         maxnreg = maxnreg or stream_maxnreg(dim, packed * group)
     occupancy = programs_per_sm(maxnreg, num_warps or 4) if kernel != "bytes" and maxnreg else None
+    if length_aware is None:
+        length_aware = choose_length_aware(num_seqs, packed)
     length_aware = length_aware and kernel != "bytes"
     if splits is None:
         most = 256 if kernel == "stream" else 128

@@ -60,8 +60,8 @@ def _kernels(backend, preset, kv_cache, group: int) -> dict:
         names.append("fragments")
     for name in names:
         runs[name] = (lambda kernel: lambda q, bt, sl, qsl, s: decode_attention(
-            q, kv_cache, bt, sl, qsl, s, preset, rotation, centroids, kernel=kernel))(name)
-        if name != "bytes":  # each row's split count from the batch's lengths (not the default yet)
+            q, kv_cache, bt, sl, qsl, s, preset, rotation, centroids, kernel=kernel, length_aware=False))(name)
+        if name != "bytes":  # each row's split count from the batch's lengths
             runs[f"{name}-length-aware"] = (lambda kernel: lambda q, bt, sl, qsl, s: decode_attention(
                 q, kv_cache, bt, sl, qsl, s, preset, rotation, centroids, kernel=kernel, length_aware=True))(name)
     return runs
