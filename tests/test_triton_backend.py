@@ -587,6 +587,26 @@ def test_length_aware_split_rule(monkeypatch):
         lc.row_splits([16384] * 32, [1] * 32, 16384, 8, 396, 528, 64, 8)
 
 
+def test_length_aware_is_chosen_from_shapes_and_the_environment(monkeypatch):
+    """launch_choices.length_aware: TQKV_LENGTH_AWARE 1 / 0 force it; auto takes it (where the rule is on) for
+    batches of several sequences served one row a program only; any other value is refused by name."""
+    from tqkv_compile.lowerings import launch_choices as lc
+
+    monkeypatch.setattr(lc, "LENGTH_AWARE_AUTO", True)
+    monkeypatch.delenv(lc.LENGTH_AWARE_ENV, raising=False)
+    assert lc.length_aware(64, 1) and not lc.length_aware(1, 1) and not lc.length_aware(32, 4)
+    monkeypatch.setenv(lc.LENGTH_AWARE_ENV, "0")
+    assert not lc.length_aware(64, 1)
+    monkeypatch.setenv(lc.LENGTH_AWARE_ENV, "1")
+    assert lc.length_aware(1, 1) and lc.length_aware(32, 4)
+    monkeypatch.setenv(lc.LENGTH_AWARE_ENV, "yes")
+    with pytest.raises(ValueError, match="TQKV_LENGTH_AWARE"):
+        lc.length_aware(64, 1)
+    monkeypatch.setenv(lc.LENGTH_AWARE_ENV, "auto")
+    monkeypatch.setattr(lc, "LENGTH_AWARE_AUTO", False)
+    assert not lc.length_aware(64, 1)
+
+
 @pytest.mark.parametrize("dim", HEAD_DIMS)
 @pytest.mark.parametrize("preset_name", PRESETS)
 def test_kv_dot_logits_match_reference(preset_name, dim):
