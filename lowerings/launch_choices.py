@@ -11,11 +11,10 @@ measurements, named in its docstring (``bench/results/*launch-sweep*.json``, doc
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 
+from tqkv_compile import env
 from tqkv_compile.codec import Preset
 
 
@@ -85,12 +84,13 @@ def length_aware(num_seqs: int, rows_per_program: int) -> bool:
     sequence (nothing to even out; the plan's reads cost 0.5-1 us there, H100) nor for packed rows (572 -> 1014 us
     at 28 / 4 heads, 32 x 16384 with 4 rows a sequence, before their register caps). From shapes
     (graph-stable). Measurements: docs/performance-history.md."""
-    forced = os.environ.get(LENGTH_AWARE_ENV, "auto")
+    forced = env.get(LENGTH_AWARE_ENV, "auto")
     if forced not in ("auto", "0", "1"):
         raise ValueError(f"{LENGTH_AWARE_ENV}={forced!r}: expected auto, 0 or 1")
     if forced != "auto":
         return forced == "1"
     return LENGTH_AWARE_AUTO and num_seqs >= 2 and rows_per_program == 1
+
 
 RAGGED_SPLITS = 8
 
