@@ -6,6 +6,9 @@
 #   bash bench/hopper_session.sh check           every kernel vs exact attention (tqkv bench kernels --check
 #                                                --oracle-only; CHECK_PRESETS, CHECK_TIMEOUT): $OUT/$GPU-kernels-check.json
 #   bash bench/hopper_session.sh full            the Llama-3-8B table: bench kernels, every case, baselines, plot
+#   bash bench/hopper_session.sh aware           the length-aware split against the shapes' splits over every cell of
+#                                                the matrix (4bit_nc, k8v4), then bench/length_aware_verdict.py: its
+#                                                TQKV_LENGTH_AWARE=0/1 holds for every later stage of this start
 #   bash bench/hopper_session.sh sweep           launch choices timed over shape-matrix cells (bench/launch_sweep.py;
 #                                                SWEEP_ARGS, SWEEP_NAME, SWEEP_TIMEOUT): $OUT/$GPU-launch-sweep.json
 #   bash bench/hopper_session.sh shapes          the model-shape matrix (tqkv bench kernels --shapes; SHAPES,
@@ -37,6 +40,8 @@ if [ ! -d /root/nvcache ] && ls .gpu/nvcache/nvcache.tgz.* >/dev/null 2>&1; then
     fi
 fi
 step() { echo "[gpu $(date +%T)] $*" | tee -a "$OUT/steps.log" >&2; }
+# the length-aware split's verdict from an earlier `aware` stage of this machine start (run_meta records it)
+if [ "${1:-}" != aware ] && [ -f /tmp/tqkv-length-aware ]; then export "$(cat /tmp/tqkv-length-aware)"; fi
 
 if ! python3 -c "import vllm" 2>/dev/null; then
     if [ -f /root/tqkv-bundle/install_bundle.sh ]; then
@@ -126,6 +131,16 @@ check)
     timeout ${CHECK_TIMEOUT:-540} python3 -m tqkv_compile.tools.bench_kernels --check --oracle-only --workers 15 \
         ${CHECK_PRESETS:+--presets "$CHECK_PRESETS"} --out "$OUT/$GPU-kernels-check.json" > "$OUT/check.log" 2>&1
     grep -E "^\[check|FAIL|oracle check" "$OUT/check.log" | tail -40
+    ;;
+aware)
+    step "the length-aware split over the shape matrix (fixed / aware / narrow / aware4), then its verdict"
+    timeout ${AWARE_TIMEOUT:-420} python3 bench/launch_sweep.py --cells all --kernels "" \
+        --presets turboquant_4bit_nc,turboquant_k8v4 --variants \
+        '{"narrow": {"length_aware": true, "ragged_splits": 1}, "aware4": {"length_aware": true, "ragged_splits": 4}}' \
+        --out "$OUT/$GPU-launch-sweep-aware.json" > "$OUT/aware.log" 2>&1
+    grep -c '"us"' "$OUT/aware.log"; grep -E "error|Error" "$OUT/aware.log" | head -5
+    python3 bench/length_aware_verdict.py "$OUT/$GPU-launch-sweep-aware.json" --env /tmp/tqkv-length-aware \
+        | tee "$OUT/aware-verdict.txt" | tail -1
     ;;
 sweep)
     # launch choices over cells of the shape matrix (bench/launch_sweep.py; SWEEP_ARGS, SWEEP_TIMEOUT)

@@ -79,17 +79,18 @@ LENGTH_AWARE_AUTO = False  # (until timed on a GPU with the plan first in each p
 
 def length_aware(num_seqs: int, rows_per_program: int) -> bool:
     """Whether the stream and fragment kernels cut each row by the batch's lengths (:func:`row_splits`, in a grid
-    :func:`split_grid` widens) where the caller names nothing: ``TQKV_LENGTH_AWARE`` ``1`` / ``0`` forces it,
-    ``auto`` (the default) takes it for batches of several sequences served one row a program. Not for one
-    sequence (nothing to even out; the plan's reads cost 0.5-1 us there, H100) nor for packed rows (572 -> 1014 us
-    at 28 / 4 heads, 32 x 16384 with 4 rows a sequence, before their register caps). From shapes
-    (graph-stable). Measurements: docs/performance-history.md."""
-    forced = env.get(LENGTH_AWARE_ENV, "auto")
-    if forced not in ("auto", "0", "1"):
-        raise ValueError(f"{LENGTH_AWARE_ENV}={forced!r}: expected auto, 0 or 1")
-    if forced != "auto":
-        return forced == "1"
-    return LENGTH_AWARE_AUTO and num_seqs >= 2 and rows_per_program == 1
+    :func:`split_grid` widens) where the caller names nothing. The rule: batches of several sequences served one
+    row a program; not one sequence (nothing to even out; the plan's reads cost 0.5-1 us there, H100) nor packed
+    rows (572 -> 1014 us at 28 / 4 heads, 32 x 16384 with 4 rows a sequence, before their register caps). From
+    shapes (graph-stable). ``TQKV_LENGTH_AWARE``: ``auto`` (the default: the rule where ``LENGTH_AWARE_AUTO`` is
+    on, else never), ``rule`` (the rule), ``1`` (always), ``0`` (never). Measurements:
+    docs/performance-history.md."""
+    chosen = env.get(LENGTH_AWARE_ENV, "auto")
+    if chosen not in ("auto", "rule", "0", "1"):
+        raise ValueError(f"{LENGTH_AWARE_ENV}={chosen!r}: expected auto, rule, 0 or 1")
+    if chosen in ("0", "1"):
+        return chosen == "1"
+    return (chosen == "rule" or LENGTH_AWARE_AUTO) and num_seqs >= 2 and rows_per_program == 1
 
 
 RAGGED_SPLITS = 8

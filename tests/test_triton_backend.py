@@ -588,8 +588,8 @@ def test_length_aware_split_rule(monkeypatch):
 
 
 def test_length_aware_is_chosen_from_shapes_and_the_environment(monkeypatch):
-    """launch_choices.length_aware: TQKV_LENGTH_AWARE 1 / 0 force it; auto takes it (where the rule is on) for
-    batches of several sequences served one row a program only; any other value is refused by name."""
+    """launch_choices.length_aware: TQKV_LENGTH_AWARE 1 / 0 force it; rule (and auto, where the rule is on) take
+    it for batches of several sequences served one row a program only; any other value is refused by name."""
     from tqkv_compile.lowerings import launch_choices as lc
 
     monkeypatch.setattr(lc, "LENGTH_AWARE_AUTO", True)
@@ -605,6 +605,33 @@ def test_length_aware_is_chosen_from_shapes_and_the_environment(monkeypatch):
     monkeypatch.setenv(lc.LENGTH_AWARE_ENV, "auto")
     monkeypatch.setattr(lc, "LENGTH_AWARE_AUTO", False)
     assert not lc.length_aware(64, 1)
+    monkeypatch.setenv(lc.LENGTH_AWARE_ENV, "rule")
+    assert lc.length_aware(64, 1) and not lc.length_aware(1, 1) and not lc.length_aware(32, 4)
+
+
+def test_length_aware_verdict_follows_the_rule_cell_by_cell():
+    """bench/length_aware_verdict.py: the rule's launch is aware only in cells of several sequences at one row a
+    program, so a loss in a one-sequence or packed-rows cell does not count; a uniform cell of several sequences
+    that loses more than the tolerance turns the verdict off, a ragged gain does not buy it back."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "length_aware_verdict.py"
+    spec = importlib.util.spec_from_file_location("length_aware_verdict", path)
+    verdict_module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(verdict_module)
+
+    def cell(case, fixed, aware, preset="turboquant_4bit_nc"):
+        return [dict(shape="llama3-8b", case=case, preset=preset, kernel=k, splits=None, us=us)
+                for k, us in (("default", fixed), ("fixed", fixed), ("aware", aware))]
+
+    ragged = cell("64-ragged-1k..64k", 941.0, 717.0)
+    excluded = cell("1x32768", 35.5, 36.4) + cell("32x16384x4rows", 572.0, 1014.0)  # the rule keeps fixed there
+    on, why, _ = verdict_module.verdict(ragged + excluded + cell("64x32768", 1200.0, 1210.0), 0.02)
+    assert on, why
+    on, why, lines = verdict_module.verdict(ragged + excluded + cell("64x32768", 1201.2, 1320.5), 0.02)
+    assert not on and "64x32768" in why and len(lines) == 5
+    assert not verdict_module.verdict([], 0.02)[0]
 
 
 @pytest.mark.parametrize("dim", HEAD_DIMS)
