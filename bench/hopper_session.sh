@@ -8,7 +8,7 @@
 #   bash bench/hopper_session.sh full            the Llama-3-8B table: bench kernels, every case, baselines, plot
 #   bash bench/hopper_session.sh aware           the length-aware split against the shapes' splits over every cell of
 #                                                the matrix (4bit_nc, k8v4), then bench/length_aware_verdict.py: its
-#                                                TQKV_LENGTH_AWARE=0/1 holds for every later stage of this start
+#                                                TQKV_LENGTH_AWARE=rule / 0 holds for every later stage of this start
 #   bash bench/hopper_session.sh sweep           launch choices timed over shape-matrix cells (bench/launch_sweep.py;
 #                                                SWEEP_ARGS, SWEEP_NAME, SWEEP_TIMEOUT): $OUT/$GPU-launch-sweep.json
 #   bash bench/hopper_session.sh shapes          the model-shape matrix (tqkv bench kernels --shapes; SHAPES,

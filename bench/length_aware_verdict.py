@@ -3,7 +3,7 @@ with its built-in launches ``fixed`` and ``aware``, and any variants such as ``n
 
 The rule under test is :func:`~tqkv_compile.lowerings.launch_choices.length_aware`'s with its default on: the
 ``aware`` launch in cells of several sequences at one row a program, ``fixed`` elsewhere (one sequence; rows packed
-a program). It may be the default when, in every cell the sweep has, it costs at most ``--tolerance`` against
+a program: several rows a sequence at query-head groups under 8). It may be the default when, in every cell the sweep has, it costs at most ``--tolerance`` against
 ``fixed`` (one launch's noise), including the tuned cell (llama3-8b 64 x 32768, 4bit_nc). Prints a table (us and the
 ratio to ``fixed`` of every launch the cell has), then one line ``TQKV_LENGTH_AWARE=rule`` or ``=0`` with the reason;
 ``--env FILE`` writes that line to FILE too (``hopper_session.sh`` reads it for the stages after the sweep).
@@ -21,13 +21,16 @@ import sys
 TUNED = ("llama3-8b", "64x32768", "turboquant_4bit_nc")
 
 
-def rule_applies(case_name: str) -> bool:
-    """Whether the rule takes the length-aware split in this case of the shape matrix: several sequences at one
-    row a program (``bench_shapes.CASES``: ``1x...`` is one sequence, ``...x4rows`` packs rows)."""
-    from tqkv_compile.tools.bench_shapes import CASES
+def rule_applies(shape: str, case_name: str) -> bool:
+    """Whether the rule takes the length-aware split in this cell of the shape matrix, as the launcher decides it:
+    ``launch_choices.length_aware_rule`` over the cell's sequences and the rows a program ``packed_rows`` gives
+    them (rows of a sequence are packed only at query-head groups under 8)."""
+    from tqkv_compile.lowerings.launch_choices import length_aware_rule, packed_rows
+    from tqkv_compile.tools.bench_shapes import CASES, SHAPES
 
+    q_heads, kv_heads, _ = SHAPES[shape]
     case = CASES[case_name]
-    return case.batch >= 2 and case.rows == 1
+    return length_aware_rule(case.batch, packed_rows(case.batch * case.rows, case.batch, q_heads // kv_heads))
 
 
 def verdict(records: list[dict], tolerance: float) -> tuple[bool, str, list[str]]:
@@ -44,7 +47,7 @@ def verdict(records: list[dict], tolerance: float) -> tuple[bool, str, list[str]
         if "fixed" not in launches or "aware" not in launches:
             continue
         fixed = launches["fixed"]
-        chosen = launches["aware"] if rule_applies(case) else fixed
+        chosen = launches["aware"] if rule_applies(shape, case) else fixed
         ratio = chosen / fixed
         (losses if ratio > 1 + tolerance else gains).append(((shape, case, preset), ratio))
         lines.append(f"{shape:16} {case:20} {preset:20} {fixed:9.1f} "

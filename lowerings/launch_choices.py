@@ -90,7 +90,12 @@ def length_aware(num_seqs: int, rows_per_program: int) -> bool:
         raise ValueError(f"{LENGTH_AWARE_ENV}={chosen!r}: expected auto, rule, 0 or 1")
     if chosen in ("0", "1"):
         return chosen == "1"
-    return (chosen == "rule" or LENGTH_AWARE_AUTO) and num_seqs >= 2 and rows_per_program == 1
+    return (chosen == "rule" or LENGTH_AWARE_AUTO) and length_aware_rule(num_seqs, rows_per_program)
+
+
+def length_aware_rule(num_seqs: int, rows_per_program: int) -> bool:
+    """:func:`length_aware`'s rule by itself (no setting read): several sequences, one row a program."""
+    return num_seqs >= 2 and rows_per_program == 1
 
 
 RAGGED_SPLITS = 8

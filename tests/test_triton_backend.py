@@ -632,6 +632,9 @@ def test_length_aware_verdict_follows_the_rule_cell_by_cell():
     on, why, lines = verdict_module.verdict(ragged + excluded + cell("64x32768", 1201.2, 1320.5), 0.02)
     assert not on and "64x32768" in why and len(lines) == 5
     assert not verdict_module.verdict([], 0.02)[0]
+    # four rows a sequence are packed at a group of 4 (fixed), not at a group of 8: one row a program, aware
+    assert not verdict_module.rule_applies("llama3-8b", "32x16384x4rows")
+    assert verdict_module.rule_applies("llama3-70b-tp8", "32x16384x4rows")
 
 
 @pytest.mark.parametrize("dim", HEAD_DIMS)
